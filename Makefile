@@ -1,0 +1,24 @@
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+# Both create/update .venv (skipped when nothing changed); see scripts/setup_venv.sh.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo bench lint clean
+
+venv:
+	@bash scripts/setup_venv.sh
+
+test: venv
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) -m megatron_muon.demo
+
+bench: venv
+	$(PY) -m benchmarks
+
+lint: venv
+	$(PY) -m ruff check megatron_muon tests benchmarks examples
+
+clean:
+	rm -rf .venv bench_out demo_out

@@ -1,0 +1,374 @@
+"""CPU stand-ins for the CUDA-only calls megatron-core and megatron_fsdp make.
+
+This is the one place where the project substitutes anything in the libraries it stands on. It is
+used by the multi-rank tests and by the CPU (gloo) path of the pretrain entry point, and it is
+applied **only when no GPU is present** (``install()`` raises on a machine with CUDA). Nothing here
+changes numerics: each stand-in replaces a device query, a CUDA stream or a hard-coded
+``device="cuda"`` with its CPU equivalent. Every item was shown necessary on CPU/gloo by turning it
+off and watching the failure (../shared/REFERENCE.md sections 2, 6 and 8).
+
+Megatron-FSDP (both copies: the ``megatron_fsdp`` package and megatron-core's vendored
+``megatron.core.distributed.fsdp.src.megatron_fsdp``), REFERENCE.md section 2:
+
+- ``torch.cuda.current_device`` -> 0: ``megatron_fsdp.py`` builds ``torch.device("cuda:N")`` from it;
+  the device that is finally used is the ``device=`` argument (cpu).
+- ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> no-op objects: grad reduce and param
+  all-gather run on side streams; on CPU every op is already ordered.
+- ``Tensor.cuda()`` -> identity inside ``uneven_dtensor.validate_uneven_dtensor`` (a boundary check
+  tensor is moved to cuda before an all-reduce).
+- the mcore adapter's ``DeviceMesh.from_group(..., device_type="cuda")`` -> ``"cpu"``.
+- ``gradient_reduce_preprocessing`` never picks ``PREMUL_SUM`` (NCCL-only; "Cannot use
+  ReduceOp.PREMUL_SUM with Gloo"): it takes the scale-then-SUM branch that
+  ``gradient_reduce_div_fusion=False`` selects. Where a config is built by hand, set that field
+  instead; ``fully_shard_model`` exposes no such argument, hence the stand-in.
+
+megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 6):
+
+- tensor factories (``torch.tensor/zeros/ones/empty/full/*_like/arange``) called with a CUDA device
+  (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an int) allocate on CPU instead; applied to the
+  module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
+- while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
+  ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["install", "installed", "cpu_device_redirect_modules"]
+
+_INSTALLED = False
+
+# Modules whose module-level ``torch`` name is replaced by a proxy that redirects CUDA allocations.
+_DEVICE_REDIRECT_MODULES = [
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+]
+
+_FACTORIES = (
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand",
+    "randn",
+    "as_tensor",
+)
+
+_FSDP_PACKAGES = ("megatron_fsdp", "megatron.core.distributed.fsdp.src.megatron_fsdp")
+
+
+def installed() -> bool:
+    """True once ``install()`` has run in this process."""
+    return _INSTALLED
+
+
+def cpu_device_redirect_modules() -> list[str]:
+    """Names of the modules whose ``torch`` is redirected (extend before ``install()``)."""
+    return _DEVICE_REDIRECT_MODULES
+
+
+def install(extra_redirect_modules: list[str] | None = None) -> None:
+    """Applies every CPU stand-in to this process. Idempotent.
+
+    Call it in each rank after ``init_process_group("gloo")`` (a forkserver preload must not call it:
+    patches are per process).
+
+    Raises:
+        RuntimeError: if a CUDA device is present; the stand-ins are for machines without one.
+    """
+    global _INSTALLED
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_muon.cpu_stand_ins.install() is for machines without a GPU; "
+            "a CUDA device is present, so run on it instead."
+        )
+    if extra_redirect_modules:
+        for name in extra_redirect_modules:
+            if name not in _DEVICE_REDIRECT_MODULES:
+                _DEVICE_REDIRECT_MODULES.append(name)
+    if _INSTALLED:
+        _redirect_module_devices()
+        return
+    _patch_cuda_runtime()
+    for package in _FSDP_PACKAGES:
+        _patch_uneven_dtensor(package)
+        _patch_gradient_reduce_preprocessing(package)
+    _patch_mcore_fsdp_adapter()
+    _redirect_module_devices()
+    _patch_clip_grads_type_check()
+    _INSTALLED = True
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.cuda runtime
+# --------------------------------------------------------------------------------------------------
+
+
+class _NoOpEvent:
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoOpStream:
+    """Stands in for ``torch.cuda.Stream``: CPU ops are already ordered."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoOpEvent:
+        return _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_DEFAULT_STREAM = _NoOpStream()
+
+
+def _patch_cuda_runtime() -> None:
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    # Record-stream bookkeeping on CPU tensors has nothing to record.
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron_fsdp
+# --------------------------------------------------------------------------------------------------
+
+
+def _patch_uneven_dtensor(package: str) -> None:
+    """``validate_uneven_dtensor`` moves a boundary-check tensor to cuda: keep it on CPU."""
+    try:
+        module = importlib.import_module(f"{package}.uneven_dtensor")
+    except ImportError:
+        return
+    original = module.validate_uneven_dtensor
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def validate_on_cpu(*args: Any, **kwargs: Any) -> Any:
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved  # type: ignore[method-assign]
+
+    validate_on_cpu._cpu_stand_in = True  # type: ignore[attr-defined]
+    module.validate_uneven_dtensor = validate_on_cpu
+    # Modules that imported the function by name.
+    for name in ("megatron_fsdp", "utils", "fully_shard", "param_and_grad_buffer"):
+        try:
+            other = importlib.import_module(f"{package}.{name}")
+        except ImportError:
+            continue
+        if getattr(other, "validate_uneven_dtensor", None) is original:
+            other.validate_uneven_dtensor = validate_on_cpu
+
+
+class _NoDivFusion:
+    """A DDP config view with ``gradient_reduce_div_fusion`` off (PREMUL_SUM is NCCL-only)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    gradient_reduce_div_fusion = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _patch_gradient_reduce_preprocessing(package: str) -> None:
+    try:
+        module = importlib.import_module(f"{package}.param_and_grad_buffer")
+    except ImportError:
+        return
+    original = module.gradient_reduce_preprocessing
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def without_premul_sum(grad_data: Any, scaling_factor: Any, ddp_config: Any) -> Any:
+        return original(grad_data, scaling_factor, _NoDivFusion(ddp_config))
+
+    without_premul_sum._cpu_stand_in = True  # type: ignore[attr-defined]
+    module.gradient_reduce_preprocessing = without_premul_sum
+
+
+class _CpuDeviceMesh:
+    """Forwards to ``DeviceMesh`` but builds meshes from groups on CPU."""
+
+    def __init__(self, device_mesh_cls: type) -> None:
+        self._cls = device_mesh_cls
+
+    def from_group(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["device_type"] = "cpu"
+        return self._cls.from_group(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] == "cuda":
+            args = ("cpu",) + args[1:]
+        if kwargs.get("device_type") == "cuda":
+            kwargs["device_type"] = "cpu"
+        return self._cls(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cls, name)
+
+    def __instancecheck__(self, obj: Any) -> bool:
+        return isinstance(obj, self._cls)
+
+
+def _patch_mcore_fsdp_adapter() -> None:
+    try:
+        adapter = importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter")
+    except ImportError:
+        return
+    if not isinstance(adapter.DeviceMesh, _CpuDeviceMesh):
+        adapter.DeviceMesh = _CpuDeviceMesh(adapter.DeviceMesh)
+
+
+# --------------------------------------------------------------------------------------------------
+# device redirect for megatron-core modules that allocate on "cuda"
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _redirecting(factory: Any) -> Any:
+    @functools.wraps(factory)
+    def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return on_cpu
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Looks like ``torch`` to a module, with CUDA tensor factories redirected to CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _redirecting(getattr(torch, name)))
+        self.cuda = _CudaProxy()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _CudaProxy(types.ModuleType):
+    """``torch.cuda`` whose ``FloatTensor`` etc. are CPU types and memory queries return zero."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        pass
+
+
+_TORCH_PROXY = _CpuTorchProxy()
+
+
+def _redirect_module_devices() -> None:
+    for name in _DEVICE_REDIRECT_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_PROXY
+
+
+# --------------------------------------------------------------------------------------------------
+# clip_grads' type assert
+# --------------------------------------------------------------------------------------------------
+
+
+def _patch_clip_grads_type_check() -> None:
+    """``clip_grad_by_total_norm_fp32`` asserts grads are ``torch.cuda.FloatTensor``."""
+    try:
+        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    except ImportError:
+        return
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    if getattr(original, "_cpu_stand_in", False):
+        return
+    real_type = torch.Tensor.type
+
+    def type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = real_type(self, *args, **kwargs)
+        if not args and not kwargs and result == "torch.FloatTensor":
+            return "torch.cuda.FloatTensor"
+        return result
+
+    @functools.wraps(original)
+    def clip_on_cpu(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = type_as_cuda  # type: ignore[method-assign]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.Tensor.type = real_type  # type: ignore[method-assign]
+
+    clip_on_cpu._cpu_stand_in = True  # type: ignore[attr-defined]
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_on_cpu
+    if getattr(optimizer, "clip_grad_by_total_norm_fp32", None) is original:
+        optimizer.clip_grad_by_total_norm_fp32 = clip_on_cpu

@@ -1,0 +1,38 @@
+"""Small models and Megatron-FSDP wrapping helpers shared by the distributed tests (run in ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ToyMLP(nn.Module):
+    """Two linears whose shapes give uneven Megatron-FSDP row splits (REFERENCE.md section 3)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 48) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def fully_shard_toy(model: nn.Module, world_size: int, strategy: str) -> nn.Module:
+    """Wraps ``model`` with ``megatron_fsdp.fully_shard_model`` on a CPU (fsdp, tp) mesh."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+    kwargs = {}
+    if strategy == "optim_grads_params":
+        kwargs["fsdp_unit_modules"] = [nn.Linear]
+    return megatron_fsdp.fully_shard_model(
+        model,
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        tp_dim="tp",
+        device=torch.device("cpu"),
+        zero_dp_strategy=strategy,
+        **kwargs,
+    )

@@ -1,0 +1,206 @@
+"""Multi-rank test harness: run a function on N gloo ranks on CPU, fast, and never hang.
+
+``run_on_ranks(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes from a
+forkserver whose preload already imported torch, megatron-core and megatron_fsdp (a launch then
+costs well under a second after the first), initialises a gloo process group through a fresh file
+store (no ports to race for), applies the CPU stand-ins of ``megatron_muon.cpu_stand_ins`` inside
+each rank, calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order.
+
+- A rank that raises: its traceback is re-raised in pytest (``RankFailure``), all ranks' errors
+  together; ranks stuck in a collective with the failed one are killed.
+- A rank that does not finish within ``timeout`` seconds: ``RankTimeout`` names the ranks that did
+  not finish, and every rank is killed.
+
+``fn`` must be a module-level function (it is pickled by reference). Results travel back through
+``torch.save`` bytes, so tensors and nested containers of them are fine.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120.0
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.optimizer",
+    "megatron.core.models.gpt",
+    "megatron.core.distributed",
+    "megatron_fsdp",
+    "emerging_optimizers",
+    "megatron_muon",
+    "tests.harness",
+]
+
+_context: Any = None
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; the message holds each failed rank's traceback."""
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not finish within the timeout; the message names them."""
+
+
+def _get_context() -> Any:
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _encode(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _decode(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rank_entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    results: Any,
+    args: tuple,
+    kwargs: dict,
+    collective_timeout_s: float,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_muon import cpu_stand_ins
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        cpu_stand_ins.install()
+        result = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", _encode(result)))
+    except BaseException:  # noqa: BLE001 - every failure must reach pytest
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    Returns:
+        The ranks' return values, in rank order.
+
+    Raises:
+        RankFailure: a rank raised (all failed ranks' tracebacks in the message).
+        RankTimeout: ranks did not finish within ``timeout`` seconds (named in the message).
+    """
+    ctx = _get_context()
+    results = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="mm_store_")
+    store_path = os.path.join(store_dir, "store")
+    processes = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(fn, rank, world_size, store_path, results, args, kwargs, timeout),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+
+    outcomes: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    first_error_at: float | None = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            # After a failure, peers blocked in a collective with the failed rank never return:
+            # give them a moment to report their own errors, then stop waiting.
+            if first_error_at is not None and now - first_error_at > 3.0:
+                break
+            if now > deadline:
+                break
+            try:
+                rank, status, payload = results.get(timeout=0.05)
+                outcomes[rank] = (status, payload)
+                if status == "error" and first_error_at is None:
+                    first_error_at = time.monotonic()
+            except queue_module.Empty:
+                dead = [
+                    r for r, p in enumerate(processes) if r not in outcomes and not p.is_alive()
+                ]
+                if dead:
+                    # Exit without a report (a hard crash, e.g. SIGABRT in gloo): wait once more.
+                    time.sleep(0.2)
+                    while True:
+                        try:
+                            rank, status, payload = results.get_nowait()
+                            outcomes[rank] = (status, payload)
+                        except queue_module.Empty:
+                            break
+                    for r in dead:
+                        if r not in outcomes:
+                            code = processes[r].exitcode
+                            outcomes[r] = ("error", f"rank {r} exited with code {code}, no report")
+                            if first_error_at is None:
+                                first_error_at = time.monotonic()
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(timeout=5)
+        try:
+            os.remove(store_path)
+            os.rmdir(store_dir)
+        except OSError:
+            pass
+
+    errors = {r: payload for r, (status, payload) in outcomes.items() if status == "error"}
+    if errors:
+        missing = sorted(set(range(world_size)) - set(outcomes))
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        extra = f"\nranks {missing} were still running and were killed" if missing else ""
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{text}{extra}")
+    missing = sorted(set(range(world_size)) - set(outcomes))
+    if missing:
+        raise RankTimeout(
+            f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+            f"(finished: {sorted(outcomes)})"
+        )
+    return [_decode(outcomes[r][1]) for r in range(world_size)]
