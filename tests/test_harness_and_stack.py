@@ -25,7 +25,7 @@ def _padded_all_gather(rank: int, world_size: int) -> list[torch.Tensor]:
     padded = torch.zeros(max_rows, cols)
     padded[: rows[rank]] = local
     out = torch.empty(world_size * max_rows, cols)
-    dist.all_gather_into_tensor(out, padded)
+    dist.all_gather_single(out, padded)
     pieces = out.view(world_size, max_rows, cols)
     return [pieces[r, : rows[r]].clone() for r in range(world_size)]
 

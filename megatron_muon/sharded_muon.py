@@ -1,0 +1,442 @@
+"""ShardedMuon: Muon that is exact on Megatron-FSDP's data-parallel row shards.
+
+Megatron-FSDP hands the optimizer each weight as a DTensor sharded by whole rows over the
+data-parallel group (uneven, sometimes empty, ``grad is None`` where a rank holds no rows).
+Momentum, weight decay and the parameter update are elementwise, so they stay on each rank's own
+rows; only Newton-Schulz (NS) needs the full matrix. One step is:
+
+1. every rank walks every param in the same order (a rank with no rows holds a zero grad), applies
+   weight decay and the momentum update to its own rows;
+2. the full matrices are brought together for NS over ``dp_group``:
+   - ``mode="owner"`` (default): each matrix has one owner rank (largest NS cost first onto the
+     least-loaded rank; ``planner.plan_owners``); one packed all_to_all per bucket brings the
+     shards to owners, owners orthogonalize (same-shape matrices batched into one NS call), one
+     packed all_to_all returns each holder its rows. NS work per rank ~ total / DP.
+   - ``mode="gather"`` (reference): padded all_gather, NS of every matrix on every rank.
+   3-D expert tensors ``(E, out, in)`` are sharded by whole experts, so each rank orthogonalizes
+   its own experts (batched) with no communication;
+3. each rank updates its own rows in place (placements and global shape untouched).
+
+Orthogonalization semantics are megatron-core ``TensorParallelMuon``'s (scale modes, coefficient
+types, NS steps, QKV split, tp_mode blockwise/duplicated/distributed): with a tensor-parallel
+partition, the DP-full TP-local matrix goes through ``TensorParallelMuon.orthogonalize`` itself, so
+its TP collectives run among the TP ranks that own the same matrix (the plan depends on shapes
+only, never on the TP rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from emerging_optimizers import utils as eo_utils
+from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from torch.optim.optimizer import ParamsT
+
+from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange
+from megatron_muon.layout import RowLayout, gather_row_layouts, local_tensor
+from megatron_muon.newton_schulz import NSConfig, ns_flops, orthogonalize_batch
+from megatron_muon.planner import OwnerPlan, plan_owners
+
+__all__ = ["ShardedMuon", "FsdpModeT", "StepStats"]
+
+FsdpModeT = Literal["owner", "gather"]
+_MODES = ("owner", "gather")
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What the last ``step()`` cost this rank: NS FLOPs, bytes moved, collectives entered."""
+
+    ns_flops: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    num_collectives: int = 0
+    peak_full_matrix_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Everything about the params that does not change between steps (computed once)."""
+
+    params: list[torch.Tensor]
+    groups: list[dict]
+    layouts: list[RowLayout]
+    matrices: list[int]  # positions (in params) of 2-D params, exchanged for NS
+    experts: list[int]  # positions of 3-D params, orthogonalized locally
+    owner_plan: OwnerPlan
+    buckets: list[list[int]]  # positions into ``matrices``
+    exchanges: dict[tuple[int, ...], Any] = field(default_factory=dict)
+
+
+class ShardedMuon(TensorParallelMuon):
+    """Muon on data-parallel row-sharded params (Megatron-FSDP), exact and hang-free.
+
+    Takes ``TensorParallelMuon``'s keywords with the same defaults, plus:
+
+    Args:
+        dp_group: process group the rows are sharded over: ``pg_collection.dp_cp`` for dense params,
+            ``pg_collection.expt_dp`` for experts. ``None`` means the default (world) group.
+        mode: ``"owner"`` (each full matrix orthogonalized once, by one owner rank) or
+            ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
+        bucket_size_bytes: bound on the fp32 bytes of full matrices exchanged at once (peak extra
+            memory); ``None`` exchanges all matrices in one bucket.
+
+    Params: DTensors with ``Shard(0)`` (1-D mesh, or the shard dim of an HSDP mesh) or ``Replicate``
+    placements, or plain tensors (replicated over ``dp_group``); 2-D ``(out, in)`` matrices or 3-D
+    ``(E, out, in)`` expert tensors (orthogonalized per expert). State (``momentum_buffer``, like the
+    param) exists for every param on every rank from construction on, so checkpoint keys are the
+    same on every rank.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.01,
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+        qkv_split_shapes: list[int] | None = None,
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        pg_collection: Any = None,
+        tp_mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        mode: FsdpModeT = "owner",
+        bucket_size_bytes: int | None = None,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if bucket_size_bytes is not None and bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
+        if split_qkv and is_qkv_fn is None:
+            raise ValueError("split_qkv=True needs is_qkv_fn to tell which params are QKV weights")
+        if tp_mode not in ("blockwise", "duplicated", "distributed"):
+            raise ValueError(f"tp_mode must be blockwise, duplicated or distributed, got {tp_mode!r}")
+        super().__init__(
+            params,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            use_decoupled_weight_decay=use_decoupled_weight_decay,
+            split_qkv=split_qkv,
+            is_qkv_fn=is_qkv_fn,
+            qkv_split_shapes=qkv_split_shapes,
+            fp32_matmul_prec=fp32_matmul_prec,
+            coefficient_type=coefficient_type,
+            num_ns_steps=num_ns_steps,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            pg_collection=pg_collection,
+            tp_mode=tp_mode,
+        )
+        self.ns_config = NSConfig(
+            num_ns_steps=num_ns_steps,
+            coefficient_type=coefficient_type,  # type: ignore[arg-type]
+            scale_mode=scale_mode,  # type: ignore[arg-type]
+            extra_scale_factor=extra_scale_factor,
+        )
+        self.dp_group = dp_group
+        self.mode: FsdpModeT = mode
+        self.bucket_size_bytes = bucket_size_bytes
+        self.step_stats = StepStats()
+        self._plan: _StepPlan | None = None
+        for index, param in enumerate(self._all_params()):
+            if param.ndim not in (2, 3):
+                raise ValueError(
+                    f"ShardedMuon orthogonalizes matrices: param {index} has shape "
+                    f"{tuple(param.shape)} ({param.ndim}-D); route it to the scalar optimizer"
+                )
+        for group in self.param_groups:
+            self._init_group(group, skip_non_grad_params=False)
+
+    # ----------------------------------------------------------------------------------------------
+    # step: local momentum -> NS on full matrices -> local update
+    # ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()  # type: ignore[misc]
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        """One Muon step. Collective over ``dp_group``: every rank must call it."""
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        plan = self._step_plan()
+        active = self._params_with_grad_anywhere(plan)
+        self.step_stats = StepStats()
+        inputs: list[torch.Tensor | None] = [None] * len(plan.params)
+        for position, (param, group) in enumerate(zip(plan.params, plan.groups, strict=True)):
+            if active[position]:
+                inputs[position] = self._momentum_update(param, group)
+        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+            updates = self._orthogonalize_all(plan, inputs)
+        for position, update in enumerate(updates):
+            if update is None:
+                continue
+            param, group = plan.params[position], plan.groups[position]
+            local = local_tensor(param)
+            update = update.view_as(local).to(local.dtype)
+            self.pre_weight_update_fn_inplace(local, update)
+            local.add_(update, alpha=-group["lr"])
+            self.post_weight_update_fn_inplace(local)
+        return None
+
+    def _momentum_update(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """Weight decay and momentum on this rank's rows; returns the NS input rows."""
+        local = local_tensor(param)
+        grad = local_tensor(param.grad) if param.grad is not None else torch.zeros_like(local)
+        self._apply_weight_decay_inplace(local, grad, group["lr"], group["weight_decay"])
+        buffer = local_tensor(self.state[param]["momentum_buffer"])
+        buffer.lerp_(grad, 1 - group["momentum"])
+        if self.nesterov:
+            return grad.lerp(buffer, group["momentum"])
+        return buffer
+
+    def _params_with_grad_anywhere(self, plan: _StepPlan) -> list[bool]:
+        """Which params have a grad on some rank of ``dp_group`` (one small all_reduce).
+
+        A rank holding zero rows has ``grad is None`` yet must take part; a param with no grad on
+        any rank is skipped everywhere, as ``TensorParallelMuon`` skips it.
+        """
+        flags = torch.tensor([p.grad is not None for p in plan.params], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+        self.step_stats.num_collectives += 1
+        return [bool(f) for f in flags.tolist()]
+
+    # ----------------------------------------------------------------------------------------------
+    # orthogonalization
+    # ----------------------------------------------------------------------------------------------
+
+    def _orthogonalize_all(
+        self, plan: _StepPlan, inputs: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Orthogonalized update rows of every active param, ``(local rows, *row_shape)`` fp32."""
+        updates: list[torch.Tensor | None] = [None] * len(plan.params)
+        expert_positions = [p for p in plan.experts if inputs[p] is not None]
+        if expert_positions:
+            # Whole experts per rank: NS of the local experts, no communication.
+            jobs = [e for p in expert_positions for e in inputs[p].float().unbind(0)]  # type: ignore[union-attr]
+            results = iter(self._run_ns_jobs(jobs))
+            for p in expert_positions:
+                count = inputs[p].shape[0]  # type: ignore[union-attr]
+                local = [next(results) for _ in range(count)]
+                shape = inputs[p].shape  # type: ignore[union-attr]
+                updates[p] = torch.stack(local) if local else torch.empty(shape)
+        stats = ExchangeStats()
+        for bucket in plan.buckets:
+            active = tuple(m for m in bucket if inputs[plan.matrices[m]] is not None)
+            if not active:
+                continue
+            positions = [plan.matrices[m] for m in active]
+            local_rows = [inputs[p].float() for p in positions]  # type: ignore[union-attr]
+            if self.mode == "owner":
+                results = self._owner_bucket(plan, active, positions, local_rows, stats)
+            else:
+                results = self._gather_bucket(plan, active, positions, local_rows, stats)
+            for p, rows in zip(positions, results, strict=True):
+                updates[p] = rows
+        self.step_stats.bytes_sent += stats.bytes_sent
+        self.step_stats.bytes_received += stats.bytes_received
+        self.step_stats.num_collectives += stats.num_collectives
+        return updates
+
+    def _owner_bucket(self, plan, active, positions, local_rows, stats) -> list[torch.Tensor]:
+        exchange = plan.exchanges.get(active)
+        if exchange is None:
+            exchange = OwnerExchange(
+                [plan.layouts[p] for p in positions],
+                [plan.owner_plan.owners[m] for m in active],
+                list(active),
+                dist.get_rank(self.dp_group),
+                self.dp_group,
+            )
+            plan.exchanges[active] = exchange
+        full = exchange.gather_to_owners(local_rows, stats)
+        self._note_peak(full.values())
+        owned = sorted(full)
+        results = self._orthogonalize_full([positions[m] for m in owned], [full[m] for m in owned])
+        return exchange.scatter_from_owners(dict(zip(owned, results, strict=True)), stats)
+
+    def _gather_bucket(self, plan, active, positions, local_rows, stats) -> list[torch.Tensor]:
+        exchange = plan.exchanges.get(active)
+        if exchange is None:
+            exchange = GatherExchange(
+                [plan.layouts[p] for p in positions], dist.get_rank(self.dp_group), self.dp_group
+            )
+            plan.exchanges[active] = exchange
+        full = exchange.gather(local_rows, stats)
+        self._note_peak(full)
+        results = self._orthogonalize_full(positions, full)
+        return [exchange.local_rows_of(r, m).clone() for m, r in enumerate(results)]
+
+    def _note_peak(self, matrices) -> None:
+        total = sum(4 * m.numel() for m in matrices)
+        self.step_stats.peak_full_matrix_bytes = max(self.step_stats.peak_full_matrix_bytes, total)
+
+    def _orthogonalize_full(
+        self, positions: list[int], matrices: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Orthogonalizes full (DP-gathered, TP-local) 2-D matrices with TensorParallelMuon's rules.
+
+        Matrices with a tensor-parallel partition (tp_mode duplicated/distributed, TP size > 1) go
+        through ``TensorParallelMuon.orthogonalize`` one by one (its TP collectives); all others are
+        cut into NS jobs (Q, K and V apart under QKV split) and same-shape jobs share one NS call.
+        """
+        params = [self._plan.params[p] for p in positions]  # type: ignore[union-attr]
+        results: list[torch.Tensor | None] = [None] * len(matrices)
+        job_lists: list[list[torch.Tensor] | None] = [None] * len(matrices)
+        for i, (param, matrix) in enumerate(zip(params, matrices, strict=True)):
+            if self._needs_tp_collectives(param):
+                results[i] = self.orthogonalize(param, matrix)
+                tp_size = dist.get_world_size(self._tp_group(param))
+                self.step_stats.ns_flops += ns_flops(
+                    matrix.shape[0], matrix.shape[1], self.ns_config.num_ns_steps
+                ) * (tp_size if self.tp_mode == "duplicated" else 1)
+            else:
+                job_lists[i] = self._ns_jobs(param, matrix)
+        flat_jobs = [job for jobs in job_lists if jobs is not None for job in jobs]
+        flat_results = iter(self._run_ns_jobs(flat_jobs))
+        for i, jobs in enumerate(job_lists):
+            if jobs is None:
+                continue
+            done = [next(flat_results) for _ in jobs]
+            results[i] = self._assemble(params[i], matrices[i], done)
+        return results  # type: ignore[return-value]
+
+    def _run_ns_jobs(self, jobs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """NS + scale of each 2-D job, same-shape jobs batched into one call; order kept."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for index, job in enumerate(jobs):
+            by_shape.setdefault(tuple(job.shape), []).append(index)
+        results: list[torch.Tensor | None] = [None] * len(jobs)
+        for (rows, cols), indices in by_shape.items():
+            outputs = orthogonalize_batch([jobs[i] for i in indices], self.ns_config)
+            self.step_stats.ns_flops += len(indices) * ns_flops(
+                rows, cols, self.ns_config.num_ns_steps
+            )
+            for i, output in zip(indices, outputs, strict=True):
+                results[i] = output
+        return results  # type: ignore[return-value]
+
+    def _qkv_split_shapes(self, param: torch.Tensor) -> list[int] | None:
+        if not (self.split_qkv and self.is_qkv_fn(param)):  # type: ignore[misc]
+            return None
+        shapes = getattr(param, "qkv_split_shapes", None) or self.qkv_split_shapes
+        if shapes is None:
+            raise RuntimeError("Muon QKV split requested but qkv_split_shapes is not set")
+        return list(shapes)
+
+    def _ns_jobs(self, param: torch.Tensor, matrix: torch.Tensor) -> list[torch.Tensor]:
+        """The 2-D matrices NS runs on for one full matrix: Q, K, V apart under QKV split."""
+        shapes = self._qkv_split_shapes(param)
+        if shapes is None:
+            return [matrix]
+        rows, cols = matrix.shape
+        if rows % sum(shapes) != 0:
+            raise RuntimeError(
+                f"Muon QKV split shape mismatch: grad_shape={tuple(matrix.shape)}, "
+                f"split_shapes={shapes}"
+            )
+        groups = rows // sum(shapes)
+        pieces = torch.split(matrix.view(groups, sum(shapes), cols), shapes, dim=1)
+        return [piece.reshape(-1, cols) for piece in pieces]
+
+    def _assemble(
+        self, param: torch.Tensor, matrix: torch.Tensor, results: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Inverse of ``_ns_jobs``: the full orthogonalized matrix from its jobs' results."""
+        if len(results) == 1:
+            return results[0]
+        rows, cols = matrix.shape
+        groups = rows // sum(self._qkv_split_shapes(param))  # type: ignore[arg-type]
+        return torch.cat([r.view(groups, -1, cols) for r in results], dim=1).view(rows, cols)
+
+    def _tp_group(self, param: torch.Tensor) -> dist.ProcessGroup | None:
+        if self.pg_collection is None:
+            return None
+        return self.pg_collection.expt_tp if getattr(param, "expert_tp", False) else self.pg_collection.tp
+
+    def _needs_tp_collectives(self, param: torch.Tensor) -> bool:
+        """True when TensorParallelMuon would communicate over TP for this param."""
+        if self.tp_mode == "blockwise":
+            return False
+        partition_dim = getattr(param, "partition_dim", None)
+        if partition_dim is None or partition_dim == -1:
+            return False
+        group = self._tp_group(param)
+        return group is not None and dist.get_world_size(group) > 1
+
+    # ----------------------------------------------------------------------------------------------
+    # the static plan: layouts, owners, buckets
+    # ----------------------------------------------------------------------------------------------
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _step_plan(self) -> _StepPlan:
+        params = self._all_params()
+        if self._plan is not None and len(self._plan.params) == len(params) and all(
+            a is b for a, b in zip(self._plan.params, params, strict=True)
+        ):
+            self._plan.groups = [g for g in self.param_groups for _ in g["params"]]
+            return self._plan
+        self._plan = self._build_plan(params)
+        return self._plan
+
+    def _build_plan(self, params: list[torch.Tensor]) -> _StepPlan:
+        """Layouts (one all_gather), owners and buckets. Collective over ``dp_group``."""
+        layouts = gather_row_layouts(params, self.dp_group)
+        matrices = [i for i, p in enumerate(params) if p.ndim == 2]
+        experts = [i for i, p in enumerate(params) if p.ndim == 3]
+        costs = [self._ns_cost(params[i], layouts[i]) for i in matrices]
+        owner_plan = plan_owners(costs, dist.get_world_size(self.dp_group))
+        return _StepPlan(
+            params=params,
+            groups=[g for g in self.param_groups for _ in g["params"]],
+            layouts=layouts,
+            matrices=matrices,
+            experts=experts,
+            owner_plan=owner_plan,
+            buckets=self._buckets([layouts[i] for i in matrices]),
+        )
+
+    def _ns_cost(self, param: torch.Tensor, layout: RowLayout) -> int:
+        """NS FLOPs of a full matrix (sum over Q, K, V under QKV split); same on every TP rank."""
+        rows, cols = layout.num_rows, layout.row_shape[0]
+        shapes = self._qkv_split_shapes(param)
+        steps = self.ns_config.num_ns_steps
+        if shapes is None or rows % sum(shapes) != 0:
+            return ns_flops(rows, cols, steps)
+        groups = rows // sum(shapes)
+        return sum(ns_flops(groups * s, cols, steps) for s in shapes)
+
+    def _buckets(self, layouts: list[RowLayout]) -> list[list[int]]:
+        """Consecutive matrices whose full fp32 bytes stay within ``bucket_size_bytes``."""
+        if self.bucket_size_bytes is None:
+            return [list(range(len(layouts)))] if layouts else []
+        buckets: list[list[int]] = []
+        current: list[int] = []
+        current_bytes = 0
+        for m, layout in enumerate(layouts):
+            size = 4 * layout.num_rows * layout.row_numel
+            if current and current_bytes + size > self.bucket_size_bytes:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(m)
+            current_bytes += size
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def owner_plan(self) -> OwnerPlan:
+        """The owner of each 2-D matrix (in param order); builds the plan if needed (collective)."""
+        return self._step_plan().owner_plan
