@@ -85,7 +85,9 @@ def split_ns_flops(rows: int, cols: int, num_ns_steps: int, num_parts: int, part
     return num_ns_steps * (4 * k * k * (l_stop - l_start) + 2 * (k_stop - k_start) * k * k)
 
 
-def _coefficients(coefficient_type: NSCoeffT, num_ns_steps: int) -> list[tuple[float, float, float]]:
+def _coefficients(
+    coefficient_type: NSCoeffT, num_ns_steps: int
+) -> list[tuple[float, float, float]]:
     # The same (a, b, c) sequence newton_schulz uses. The sets themselves are private to
     # emerging_optimizers (no public accessor); the iteration mode follows its rule.
     from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
@@ -169,7 +171,7 @@ def split_scaled_orthogonalize(
     group: dist.ProcessGroup | None,
     config: NSConfig,
 ) -> torch.Tensor:
-    """``split_newton_schulz`` times Muon's scale of the full shape (``scaled_orthogonalize``'s rule)."""
+    """``split_newton_schulz`` times Muon's scale of the full shape, as ``scaled_orthogonalize``."""
     orthogonal = split_newton_schulz(
         block, full_shape, group, config.num_ns_steps, config.coefficient_type
     )
