@@ -82,6 +82,7 @@ def _run_constructed_splits(
     mode: str,
     steps: int,
     extra: dict | None = None,
+    sharded_only: dict | None = None,
 ) -> dict:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from torch.distributed.device_mesh import init_device_mesh
@@ -93,7 +94,7 @@ def _run_constructed_splits(
     fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(shapes)]
     params = [_sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS, **extra)
+    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS, **extra, **(sharded_only or {}))
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS, **extra)
     for step in range(steps):
         for i, (p, ref, rows) in enumerate(zip(params, reference_params, splits, strict=True)):

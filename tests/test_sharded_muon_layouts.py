@@ -1,0 +1,264 @@
+"""ShardedMuon on HSDP meshes, with tensor parallelism, on 3-D expert tensors, and in buckets.
+
+Each case compares against megatron-core's unsharded ``TensorParallelMuon`` on the full (TP-full,
+DP-full) matrices in one process, fp32 with highest matmul precision: relative error <= 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+from tests.test_sharded_muon import MUON_KWARGS, TOLERANCE, _full_tensor
+
+
+def _relative(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -> float:
+    return ((mine - full_rows).norm() / full.norm()).item()
+
+
+def _step_both(params, reference_params, optimizer, reference, grad_rows, steps: int) -> None:
+    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
+    for step in range(steps):
+        for i, ref in enumerate(reference_params):
+            grad = _full_tensor(ref.shape, seed=1000 * step + i + 7)
+            ref.grad = grad.clone()
+            params[i].grad = grad_rows(i, grad)
+        optimizer.step()
+        reference.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# HSDP: [Replicate(), Shard(0)] on a 2x2 mesh, rows sharded over the inner dim, dp group = all 4
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from megatron_muon import ShardedMuon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "fsdp"))
+    inner = mesh.get_coordinate()[1]
+    shapes = [(48, 16), (16, 48), (33, 7)]
+    splits = [[20, 28], [16, 0], [3, 30]]
+    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+
+    def rows_of(i: int) -> slice:
+        start = sum(splits[i][:inner])
+        return slice(start, start + splits[i][inner])
+
+    def dtensor(i: int, full: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            full[rows_of(i)].clone(),
+            mesh,
+            [Replicate(), Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+
+    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
+    reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+    _step_both(
+        params,
+        reference_params,
+        optimizer,
+        reference,
+        lambda i, g: None if splits[i][inner] == 0 else dtensor(i, g),
+        steps=3,
+    )
+    error = max(
+        _relative(p.to_local(), ref.detach()[rows_of(i)], ref.detach())
+        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
+    )
+    return {"error": error, "locals": [p.to_local().detach().clone() for p in params]}
+
+
+@pytest.mark.parametrize("mode", ["owner", "gather"])
+def test_hsdp_replicas_stay_bitwise_equal_and_match_unsharded_muon(mode):
+    results = run_on_ranks(_run_hsdp, 4, mode)
+    for result in results:
+        assert result["error"] <= TOLERANCE
+    # ranks 0 and 2 (and 1 and 3) are replicas: same inner shard coordinate
+    for a, b in ((0, 2), (1, 3)):
+        for x, y in zip(results[a]["locals"], results[b]["locals"], strict=True):
+            assert torch.equal(x, y)
+
+
+# --------------------------------------------------------------------------------------------------
+# TP=2 x DP=2 with tp_mode duplicated / distributed and QKV split
+# --------------------------------------------------------------------------------------------------
+
+QKV_SPLIT = [8, 4, 4]  # per query group: 2 query heads x 4, one key head x 4, one value head x 4
+NUM_QUERY_GROUPS = 4
+
+
+def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_muon import ShardedMuon
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        tp_rank, dp_rank = pgc.tp.rank(), pgc.dp_cp.rank()
+        mesh = DeviceMesh.from_group(pgc.dp_cp, "cpu")
+        hidden = 32
+        specs = [  # (full shape, partition_dim, dp row split of the TP-local matrix, is_qkv)
+            ((NUM_QUERY_GROUPS * sum(QKV_SPLIT), hidden), 0, [12, 20], True),
+            ((hidden, 2 * hidden), 1, [32, 0], False),
+            ((48, hidden), 0, [10, 14], False),
+        ]
+        fulls = [_full_tensor(shape, seed=i) for i, (shape, *_rest) in enumerate(specs)]
+
+        def tp_local(i: int, full: torch.Tensor) -> torch.Tensor:
+            return full.chunk(2, dim=specs[i][1])[tp_rank]
+
+        def dp_rows(i: int) -> slice:
+            split = specs[i][2]
+            start = sum(split[:dp_rank])
+            return slice(start, start + split[dp_rank])
+
+        def dtensor(i: int, full: torch.Tensor) -> DTensor:
+            block = tp_local(i, full)
+            return DTensor.from_local(
+                block[dp_rows(i)].clone(),
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=block.shape,
+                stride=block.stride(),
+            )
+
+        params = []
+        for i, full in enumerate(fulls):
+            p = torch.nn.Parameter(dtensor(i, full))
+            p.partition_dim = specs[i][1]
+            p.tensor_model_parallel = True
+            p.is_qkv = specs[i][3]
+            params.append(p)
+        reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+        reference_params[0].is_qkv = True
+        qkv_kwargs = dict(
+            split_qkv=True,
+            is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+            qkv_split_shapes=QKV_SPLIT,
+        )
+        kwargs = {**MUON_KWARGS, **qkv_kwargs}
+        optimizer = ShardedMuon(
+            params, dp_group=pgc.dp_cp, mode=mode, pg_collection=pgc, **{**kwargs, "tp_mode": tp_mode}
+        )
+        reference = TensorParallelMuon(reference_params, **kwargs)
+        _step_both(
+            params,
+            reference_params,
+            optimizer,
+            reference,
+            lambda i, g: None if specs[i][2][dp_rank] == 0 else dtensor(i, g),
+            steps=2,
+        )
+        errors = []
+        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
+            expected = tp_local(i, ref.detach())[dp_rows(i)]
+            errors.append(_relative(p.to_local(), expected, ref.detach()))
+        return {"errors": errors}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed"])
+@pytest.mark.parametrize("mode", ["owner", "gather"])
+def test_tp2_dp2_with_qkv_split_matches_unsharded_muon(tp_mode, mode):
+    results = run_on_ranks(_run_tp_dp, 4, tp_mode, mode)
+    for result in results:
+        assert max(result["errors"]) <= TOLERANCE, result
+
+
+# --------------------------------------------------------------------------------------------------
+# 3-D expert tensors (E, out, in) sharded by whole experts over an expert-DP group
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_experts(rank: int, world_size: int, mode: str) -> dict:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_muon import ShardedMuon
+
+    expt_dp = torch.distributed.new_group(list(range(world_size)))
+    mesh = init_device_mesh("cpu", (world_size,))
+    shapes = [(5, 12, 8), (4, 8, 12), (24, 8)]  # two grouped expert tensors and a 2-D expert weight
+    splits = [[2, 0, 3], [1, 3, 0], [9, 9, 6]]
+    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+
+    def rows(i: int) -> slice:
+        start = sum(splits[i][:rank])
+        return slice(start, start + splits[i][rank])
+
+    def dtensor(i: int, full: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            full[rows(i)].clone(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+
+    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
+    reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+    _step_both(
+        params,
+        reference_params,
+        optimizer,
+        reference,
+        lambda i, g: None if splits[i][rank] == 0 else dtensor(i, g),
+        steps=3,
+    )
+    return {
+        "errors": [
+            _relative(p.to_local(), ref.detach()[rows(i)], ref.detach())
+            for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
+        ]
+    }
+
+
+@pytest.mark.parametrize("mode", ["owner", "gather"])
+def test_3d_expert_tensors_are_orthogonalized_per_expert_over_the_expert_dp_group(mode):
+    results = run_on_ranks(_run_experts, 3, mode)
+    for result in results:
+        assert max(result["errors"]) <= TOLERANCE, result
+
+
+# --------------------------------------------------------------------------------------------------
+# buckets bound the full matrices held at once, without changing the result
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_buckets(rank: int, world_size: int, bucket_size_bytes: int | None) -> dict:
+    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
+
+    shapes = [(64, 32)] * 6 + [(32, 96)] * 3
+    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
+    return _run_constructed_splits(
+        rank, world_size, shapes, splits, "owner", 2, sharded_only={"bucket_size_bytes": bucket_size_bytes}
+    )
+
+
+def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result():
+    bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices
+    one_bucket = run_on_ranks(_run_buckets, 2, None)
+    bucketed = run_on_ranks(_run_buckets, 2, bucket)
+    for whole, parts in zip(one_bucket, bucketed, strict=True):
+        assert parts["errors"]["param"] <= TOLERANCE
+        assert parts["stats"].peak_full_matrix_bytes <= bucket
+        assert parts["stats"].peak_full_matrix_bytes < whole["stats"].peak_full_matrix_bytes
+        for a, b in zip(whole["locals"], parts["locals"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
