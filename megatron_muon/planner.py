@@ -1,9 +1,14 @@
-"""Owner planning: which data-parallel rank orthogonalizes which full matrix.
+"""Owner planning: which data-parallel ranks orthogonalize which full matrix.
 
-A pure function of the matrices' shapes and the group size, so every rank (and every TP rank of the
-same matrices) computes the identical plan without communicating. Largest NS cost first onto the
-least-loaded rank (LPT scheduling; within 4/3 of the optimum makespan), ties broken by matrix index
-then rank, so the plan is deterministic.
+Pure functions of the matrices' shapes and the group size, so every rank (and every TP rank of the
+same matrices) computes the identical plan without communicating.
+
+- ``plan_owners``: one owner per matrix, largest NS cost first onto the least-loaded rank (LPT
+  scheduling; within 4/3 of the optimum makespan), ties broken by matrix index then rank.
+- ``plan_split_owners``: the same, and where one owner per matrix cannot balance the ranks (ranks
+  outnumber matrices, or one matrix's NS exceeds a rank's fair share) the largest matrices' NS is
+  split over an aligned block of 2, 4, ... ranks (``split_newton_schulz``), exact to the full
+  result. A split is chosen only where it lowers the largest per-rank load.
 """
 
 from __future__ import annotations
@@ -12,20 +17,33 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["OwnerPlan", "plan_owners"]
+import numpy as np
+
+from megatron_muon.split_newton_schulz import split_dim_of_pieces, split_pieces_flops
+
+__all__ = ["OwnerPlan", "plan_owners", "plan_split_owners"]
 
 
 @dataclass(frozen=True, slots=True)
 class OwnerPlan:
-    """Owner rank (index into the data-parallel group) of each matrix, and each rank's NS load.
+    """Which ranks orthogonalize each matrix, and each rank's NS load.
 
     Attributes:
-        owners: ``owners[i]`` is the group rank that orthogonalizes matrix ``i``.
-        loads: ``loads[r]`` is the summed cost of the matrices rank ``r`` owns.
+        owners: ``owners[i]`` is the group rank that orthogonalizes matrix ``i`` or, when matrix
+            ``i`` is split, the first rank of the block that shares it.
+        loads: ``loads[r]`` is the summed cost of the work rank ``r`` does (for a split matrix, its
+            own part: ``split_ns_flops``).
+        split_sizes: ``split_sizes[i]`` ranks share matrix ``i``'s NS: ranks
+            ``owners[i] .. owners[i] + split_sizes[i] - 1`` (an aligned block:
+            ``owners[i] % split_sizes[i] == 0``). Empty means every matrix has a single owner.
     """
 
     owners: tuple[int, ...]
     loads: tuple[int, ...]
+    split_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert not self.split_sizes or len(self.split_sizes) == len(self.owners)
 
     @property
     def max_over_mean(self) -> float:
@@ -33,9 +51,27 @@ class OwnerPlan:
         total = sum(self.loads)
         return max(self.loads) * len(self.loads) / total if total else 1.0
 
+    def split_size(self, index: int) -> int:
+        """How many ranks share matrix ``index`` (1: a single owner)."""
+        return self.split_sizes[index] if self.split_sizes else 1
+
+    def members(self, index: int) -> range:
+        """The group ranks that orthogonalize matrix ``index`` (one rank unless split)."""
+        return range(self.owners[index], self.owners[index] + self.split_size(index))
+
     def owned_by(self, rank: int) -> list[int]:
-        """Indices of the matrices ``rank`` owns, in matrix order."""
-        return [i for i, owner in enumerate(self.owners) if owner == rank]
+        """Indices of the unsplit matrices ``rank`` owns, in matrix order."""
+        return [
+            i for i, owner in enumerate(self.owners) if owner == rank and self.split_size(i) == 1
+        ]
+
+    def split_matrices(self) -> list[int]:
+        """Indices of the matrices whose NS is split over more than one rank, in matrix order."""
+        return [i for i in range(len(self.owners)) if self.split_size(i) > 1]
+
+    def shared_by(self, rank: int) -> list[int]:
+        """Indices of the split matrices whose block includes ``rank``, in matrix order."""
+        return [i for i in self.split_matrices() if rank in self.members(i)]
 
 
 def plan_owners(costs: Sequence[int], group_size: int) -> OwnerPlan:
@@ -60,3 +96,117 @@ def plan_owners(costs: Sequence[int], group_size: int) -> OwnerPlan:
     for index, owner in enumerate(owners):
         loads[owner] += costs[index]
     return OwnerPlan(owners=tuple(owners), loads=tuple(loads))
+
+
+def plan_split_owners(
+    costs: Sequence[int],
+    group_size: int,
+    split_pieces: Sequence[Sequence[tuple[int, int]] | None],
+    num_ns_steps: int,
+    *,
+    max_split: int = 16,
+    tolerance: float = 1.02,
+    num_targets: int = 24,
+) -> OwnerPlan:
+    """``plan_owners``, splitting the largest matrices' NS over small aligned blocks where it helps.
+
+    Starts from ``plan_owners``; if its max/mean load exceeds ``tolerance``, tries target per-rank
+    loads ``T`` between the lower bound and the unsplit makespan: each splittable matrix gets the
+    smallest power-of-two block (at most ``max_split`` and ``group_size``) whose per-rank share is
+    at most ``T``; then largest share first, each matrix goes onto the least-loaded rank (block
+    size 1) or the aligned block with the smallest maximum load. The plan with the smallest
+    makespan wins; a plan with more splitting must beat one with less by 0.1 %.
+
+    Args:
+        costs: NS cost of each matrix (``ns_flops``; a QKV-split param: the sum of its pieces).
+        group_size: number of ranks in the data-parallel group.
+        split_pieces: per matrix, the ``(rows, cols)`` of the NS jobs it is made of (one matrix,
+            or Q, K, V of a QKV-split param), or ``None`` if its NS must not be split (e.g. its NS
+            uses TP collectives). A matrix is split only if ``split_dim_of_pieces`` allows it;
+            the summed ``ns_flops`` of its pieces must equal ``costs[i]``.
+        num_ns_steps: NS iterations (the split cost model, ``split_ns_flops``).
+        max_split: largest block of ranks one matrix may be split over (a power of two).
+        tolerance: max/mean load under which the unsplit plan is kept as is.
+        num_targets: how many target loads to try (planning time grows linearly with it).
+
+    Returns:
+        The plan; identical on every rank given identical arguments.
+    """
+    if len(split_pieces) != len(costs):
+        raise ValueError(f"split_pieces has {len(split_pieces)} entries for {len(costs)} costs")
+    if max_split < 1 or max_split & (max_split - 1):
+        raise ValueError(f"max_split must be a power of two, got {max_split}")
+    if tolerance < 1.0:
+        raise ValueError(f"tolerance must be at least 1.0, got {tolerance}")
+    best = plan_owners(costs, group_size)
+    sizes = [g for g in (2**e for e in range(1, 31)) if g <= min(max_split, group_size)]
+    splittable = [
+        i
+        for i, pieces in enumerate(split_pieces)
+        if pieces is not None and costs[i] > 0 and split_dim_of_pieces(pieces) is not None
+    ]
+    if not sizes or not splittable or best.max_over_mean <= tolerance:
+        return best
+
+    # Per-rank share of each splittable matrix for each block size (index 0: unsplit).
+    shares: dict[int, list[np.ndarray]] = {}
+    for i in splittable:
+        pieces = split_pieces[i]
+        assert pieces is not None
+        shares[i] = [np.array([costs[i]], dtype=np.int64)] + [
+            np.array([split_pieces_flops(pieces, num_ns_steps, g, j) for j in range(g)], np.int64)
+            for g in sizes
+        ]
+    lower = max(
+        sum(costs) / group_size,
+        max(int(s[-1].max()) for s in shares.values()),
+        max((c for i, c in enumerate(costs) if i not in shares), default=0),
+    )
+    best_makespan = max(best.loads)
+    if lower >= best_makespan:
+        return best
+    # From the least splitting (targets near the unsplit makespan) down to the lower bound.
+    for step in range(num_targets, -1, -1):
+        target = lower * (best_makespan / lower) ** (step / num_targets)
+        choice = {}
+        for i in splittable:
+            fits = [k for k, share in enumerate(shares[i]) if share.max() <= target]
+            choice[i] = fits[0] if fits else len(sizes)
+        plan = _gang_schedule(costs, group_size, shares, choice, sizes)
+        if max(plan.loads) < max(best.loads) * (1 - 1e-3):
+            best = plan
+    return best
+
+
+def _gang_schedule(
+    costs: Sequence[int],
+    group_size: int,
+    shares: dict[int, list[np.ndarray]],
+    choice: dict[int, int],
+    sizes: list[int],
+) -> OwnerPlan:
+    """LPT where matrix ``i`` occupies an aligned block of ``sizes[choice[i] - 1]`` ranks."""
+    loads = np.zeros(group_size, dtype=np.int64)
+    owners = [0] * len(costs)
+    split_sizes = [1] * len(costs)
+
+    def work(i: int) -> np.ndarray:
+        return shares[i][choice[i]] if i in choice else np.array([costs[i]], dtype=np.int64)
+
+    for index in sorted(range(len(costs)), key=lambda i: (-int(work(i).max()), i)):
+        share = work(index)
+        size = len(share)
+        if size == 1:
+            rank = int(np.argmin(loads))  # lowest rank among ties, as plan_owners
+        else:
+            num_blocks = group_size // size
+            block_max = loads[: num_blocks * size].reshape(num_blocks, size).max(axis=1)
+            rank = int(np.argmin(block_max)) * size
+        loads[rank : rank + size] += share
+        owners[index] = rank
+        split_sizes[index] = size
+    return OwnerPlan(
+        owners=tuple(owners),
+        loads=tuple(int(x) for x in loads),
+        split_sizes=tuple(split_sizes) if any(s > 1 for s in split_sizes) else (),
+    )

@@ -25,6 +25,8 @@ the iteration runs in bf16 exactly as ``newton_schulz`` does (collectives then c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
@@ -37,7 +39,9 @@ from megatron_muon.newton_schulz import NSConfig
 __all__ = [
     "long_dim",
     "split_bounds",
+    "split_dim_of_pieces",
     "split_ns_flops",
+    "split_pieces_flops",
     "split_newton_schulz",
     "split_scaled_orthogonalize",
 ]
@@ -83,6 +87,31 @@ def split_ns_flops(rows: int, cols: int, num_ns_steps: int, num_parts: int, part
     l_start, l_stop = split_bounds(long, num_parts)[part]
     k_start, k_stop = split_bounds(k, num_parts)[part]
     return num_ns_steps * (4 * k * k * (l_stop - l_start) + 2 * (k_stop - k_start) * k * k)
+
+
+def split_dim_of_pieces(pieces: Sequence[tuple[int, int]]) -> int | None:
+    """The dim along which a param made of NS ``pieces`` can be split, or ``None`` if it cannot.
+
+    A plain matrix is one piece and splits along its ``long_dim``. A QKV-split param's pieces
+    (Q, K, V: row groups of one ``(rows, cols)`` param) share their columns, so the param splits by
+    columns when every piece is wide or square: each rank then holds columns
+    ``split_bounds(cols, g)[rank]`` of the whole param and runs ``split_newton_schulz`` on each
+    piece's rows of that block. Pieces with different long dims cannot share one block layout.
+    """
+    if not pieces:
+        return None
+    if len(pieces) == 1:
+        return long_dim(*pieces[0])
+    if all(long_dim(rows, cols) == 1 for rows, cols in pieces):
+        return 1
+    return None
+
+
+def split_pieces_flops(
+    pieces: Sequence[tuple[int, int]], num_ns_steps: int, num_parts: int, part: int
+) -> int:
+    """``split_ns_flops`` summed over a param's NS pieces (Q, K, V, or the one matrix)."""
+    return sum(split_ns_flops(r, c, num_ns_steps, num_parts, part) for r, c in pieces)
 
 
 def _coefficients(
