@@ -110,6 +110,11 @@ def _describe_local_rows(param: torch.Tensor) -> tuple[int, int, int, int]:
     if fsdp_slice is not None:
         # Megatron-FSDP records which slice of the flattened (TP-local) param this rank holds; the
         # only reliable offset under HSDP outer sharding, where rank order is not row order.
+        if fsdp_slice.stop - fsdp_slice.start != local.numel() or fsdp_slice.start % row_numel:
+            raise ValueError(
+                f"megatron_fsdp_slice {fsdp_slice} does not describe whole rows of the local "
+                f"shard of shape {tuple(local.shape)}"
+            )
         return fsdp_slice.start // row_numel, num_local_rows, 0, 0
     if len(shard_dims) > 1:
         raise ValueError(

@@ -262,3 +262,73 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
         assert parts["stats"].peak_full_matrix_bytes < whole["stats"].peak_full_matrix_bytes
         for a, b in zip(whole["locals"], parts["locals"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------
+# HSDP layouts made by megatron_fsdp itself (outer no_shard and outer optim, 2 x 2 ranks)
+# --------------------------------------------------------------------------------------------------
+
+
+def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
+    import megatron_fsdp
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from megatron_muon import ShardedMuon
+    from tests.fsdp_models import ToyMLP
+
+    torch.manual_seed(0)
+    model = ToyMLP(dim=24, hidden=40)
+    fulls = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2}
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("outer", "fsdp", "tp"))
+    hsdp_group = mesh["outer", "fsdp"]._flatten("hsdp").get_group()
+    wrapped = megatron_fsdp.fully_shard_model(
+        model,
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        dp_outer_dim="outer",
+        tp_dim="tp",
+        hybrid_fsdp_group=hsdp_group,
+        device=torch.device("cpu"),
+        zero_dp_strategy="optim_grads_params",
+        outer_dp_sharding_strategy=outer,
+        fsdp_unit_modules=[torch.nn.Linear],
+    )
+    named = [(n, p) for n, p in wrapped.named_parameters() if p.ndim == 2]
+    params = [p for _, p in named]
+    # Row offsets from megatron_fsdp's own chunk metadata: independent of megatron_muon.layout.
+    starts = [gather_and_compute_chunk_metadata(p).offsets[0] for p in params]
+    reference_params = [torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n, _ in named]
+    optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
+    reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+
+    def grad_rows(i: int, grad: torch.Tensor):
+        local = params[i].to_local()
+        if local.shape[0] == 0:
+            return None
+        return DTensor.from_local(
+            grad[starts[i] : starts[i] + local.shape[0]].clone(),
+            params[i].device_mesh,
+            params[i].placements,
+            run_check=False,
+            shape=params[i].shape,
+            stride=params[i].stride(),
+        )
+
+    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
+    errors = []
+    layout = []
+    for p, ref, start in zip(params, reference_params, starts, strict=True):
+        local = p.to_local()
+        layout.append((start, local.shape[0], str(p.placements)))
+        errors.append(_relative(local, ref.detach()[start : start + local.shape[0]], ref.detach()))
+    return {"errors": errors, "layout": layout}
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_matches_unsharded_muon_on_megatron_fsdp_hsdp_layouts(outer):
+    results = run_on_ranks(_run_real_hsdp, 4, outer)
+    for result in results:
+        assert max(result["errors"]) <= TOLERANCE, result
