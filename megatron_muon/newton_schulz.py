@@ -26,14 +26,16 @@ end of the list, the others (and ``custom``) cycle through it (``coefficient_sch
 Precision. Inputs are plain ``torch.Tensor`` (never DTensor), fp32, 2-D ``(M, N)`` or 3-D
 ``(B, M, N)``; results are fp32. When ``torch.get_float32_matmul_precision() == "medium"``
 (Megatron's default ``--muon-fp32-matmul-prec``), the standard method runs its matmuls in bf16 (as
-``newton_schulz`` does) and the Gram method in fp16, as Gram NS's authors do: ``R = X X^T`` squares
-the singular values, so ``R`` needs mantissa more than range (``X`` is normalized, ``|R_ij| <= 1``),
-and fp16 has 3 more mantissa bits than bf16. Measured on spectra spread over 1e-8..1 (see
-tests/test_newton_schulz.py), fp16 Gram NS with the default restarts deviates from fp32 standard NS
-by less than bf16 standard NS does; bf16 Gram NS needs a restart every 2 iterations for that (pass
-``compute_dtype=torch.bfloat16`` and ``restarts=range(2, T, 2)`` to ``gram_newton_schulz``), and
-diverges with the default restarts. CANS coefficients are fp32-only in practice: even standard NS in
-bf16 deviates by 0.2-0.7 in singular values on Gaussian matrices.
+``newton_schulz`` does) and the Gram method in ``NSConfig.gram_half_dtype``, fp16 by default as Gram
+NS's authors do: ``R = X X^T`` squares the singular values, so ``R`` needs mantissa more than range
+(``X`` is normalized, ``|R_ij| <= 1``), and fp16 has 3 more mantissa bits than bf16. Measured on
+spectra spread over 1e-8..1 (tests/test_newton_schulz.py), fp16 Gram NS with one restart per 3
+steps deviates from the float64 polynomial 5-10x less than bf16 standard NS does; bf16 Gram NS needs
+a restart every 2 steps to match bf16 standard NS (and diverges with fp16's schedule), which costs
+FLOPs (1.29x fewer than standard at aspect ratio 4 instead of 1.5x). On CPUs without fp16 GEMMs
+(most), fp16 matmuls are emulated and ~100x slower: choose ``gram_half_dtype="bfloat16"`` there.
+CANS coefficients are fp32-only in practice: even standard NS in bf16 deviates by 0.2-0.7 in
+singular values on Gaussian matrices.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "NSConfig",
     "NSMethodT",
     "MuonScaleT",
+    "GramHalfDtypeT",
     "coefficient_schedule",
     "default_gram_restarts",
     "gram_newton_schulz",
@@ -67,6 +70,7 @@ __all__ = [
 
 MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 NSMethodT = Literal["standard", "gram"]
+GramHalfDtypeT = Literal["float16", "bfloat16"]
 CoefficientT = tuple[float, float, float]
 
 # The sets that newton_schulz extends by repeating their last triple; all others cycle. This mirrors
@@ -87,8 +91,9 @@ class NSConfig:
             (cycled through, as ``newton_schulz`` does); must be ``None`` otherwise.
         gram_restarts: Gram NS only: after how many iterations to rebuild ``X`` and ``R`` from the
             accumulated polynomial, each in ``[1, num_ns_steps)``, increasing. ``None`` means
-            ``default_gram_restarts(num_ns_steps)``; ``()`` means no restart (fine in fp32, unstable
-            in bf16).
+            ``default_gram_restarts(num_ns_steps, gram_half_dtype)``; ``()`` means no restart
+            (fine in fp32 for up to ~8 steps, divergent in half precision).
+        gram_half_dtype: Gram NS only: its matmul dtype under ``"medium"`` fp32 matmul precision.
     """
 
     num_ns_steps: int = 5
@@ -98,6 +103,7 @@ class NSConfig:
     ns_method: NSMethodT = "standard"
     custom_coefficient_sets: tuple[CoefficientT, ...] | None = None
     gram_restarts: tuple[int, ...] | None = None
+    gram_half_dtype: GramHalfDtypeT = "float16"
 
     def __post_init__(self) -> None:
         if self.num_ns_steps < 1:
@@ -113,6 +119,10 @@ class NSConfig:
             )
         if self.gram_restarts is not None:
             _check_restarts(self.gram_restarts, self.num_ns_steps)
+        if self.gram_half_dtype not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"gram_half_dtype must be 'float16' or 'bfloat16', got {self.gram_half_dtype!r}"
+            )
 
     def shape_scale(self, rows: int, cols: int) -> float:
         """Muon's shape-dependent update scale for a ``(rows, cols)`` matrix (without the extra)."""
@@ -121,8 +131,14 @@ class NSConfig:
     def restarts(self) -> tuple[int, ...]:
         """The Gram restart positions in effect (``gram_restarts`` or the default)."""
         if self.gram_restarts is None:
-            return default_gram_restarts(self.num_ns_steps)
+            return default_gram_restarts(self.num_ns_steps, self.gram_half_dtype)
         return self.gram_restarts
+
+    def gram_compute_dtype(self) -> torch.dtype:
+        """Gram NS matmul dtype now: ``gram_half_dtype`` under ``"medium"`` precision, else fp32."""
+        if torch.get_float32_matmul_precision() == "medium":
+            return getattr(torch, self.gram_half_dtype)
+        return torch.float32
 
     def flops(self, rows: int, cols: int) -> int:
         """``ns_flops`` of a ``(rows, cols)`` matrix under this config's method and restarts."""
@@ -156,16 +172,20 @@ def coefficient_schedule(
     return list(islice(endless, num_steps))  # type: ignore[arg-type]
 
 
-def default_gram_restarts(num_steps: int) -> tuple[int, ...]:
-    """Default Gram restart positions: after iteration 2, then every 3 iterations.
+def default_gram_restarts(
+    num_steps: int, half_dtype: GramHalfDtypeT = "float16"
+) -> tuple[int, ...]:
+    """Default Gram restart positions: after iteration 2, then every 3 (fp16) or 2 (bf16) more.
 
-    Five steps restart once, after the second, as Gram NS's authors do: the first iterations have
-    the largest ``a`` and amplify rounding in ``R`` by ``a^2`` per step, so ``R`` is rebuilt from
-    ``X`` before its error outgrows fp16. Longer schedules restart every 3 further iterations:
-    without them, 10-step DeepSeek-V4 coefficients diverge even in fp32 on ill-conditioned
-    matrices (tests/test_newton_schulz.py).
+    Five steps with fp16 restart once, after the second, as Gram NS's authors do: the first
+    iterations have the largest ``a`` and amplify rounding in ``R`` by ``a^2`` per step, so ``R`` is
+    rebuilt from ``X`` before its error outgrows fp16. Longer schedules restart every 3 further
+    iterations: without them, 10-step DeepSeek-V4 coefficients diverge even in fp32 on
+    ill-conditioned matrices. bf16's 8-bit mantissa needs a restart every 2 iterations
+    (tests/test_newton_schulz.py). The schedule does not depend on the run's matmul precision, so
+    ``ns_flops`` (the planner's cost model) knows it from the config alone.
     """
-    return tuple(range(2, num_steps, 3))
+    return tuple(range(2, num_steps, 3 if half_dtype == "float16" else 2))
 
 
 def ns_flops(
@@ -188,7 +208,7 @@ def ns_flops(
     (and is charged) the standard iteration.
 
     Args:
-        gram_restarts: Gram only; ``None`` means ``default_gram_restarts(num_ns_steps)``.
+        gram_restarts: Gram only; ``None`` means ``default_gram_restarts(num_ns_steps)`` (fp16).
     """
     k, long = min(rows, cols), max(rows, cols)
     standard = num_ns_steps * (4 * k * k * long + 2 * k * k * k)
@@ -291,7 +311,9 @@ def orthogonalize(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
         schedule = coefficient_schedule(
             config.num_ns_steps, config.coefficient_type, config.custom_coefficient_sets
         )
-        return gram_newton_schulz(x, schedule, config.restarts())
+        return gram_newton_schulz(
+            x, schedule, config.restarts(), compute_dtype=config.gram_compute_dtype()
+        )
     custom = None
     if config.custom_coefficient_sets is not None:
         custom = [tuple(triple) for triple in config.custom_coefficient_sets]
