@@ -106,6 +106,12 @@ class NSConfig:
     gram_half_dtype: GramHalfDtypeT = "float16"
 
     def __post_init__(self) -> None:
+        # Lists (from YAML or argparse) become tuples, so the frozen config stays hashable.
+        if self.custom_coefficient_sets is not None:
+            triples = tuple(tuple(triple) for triple in self.custom_coefficient_sets)
+            object.__setattr__(self, "custom_coefficient_sets", triples)
+        if self.gram_restarts is not None:
+            object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
         if self.num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {self.num_ns_steps}")
         if self.ns_method not in ("standard", "gram"):

@@ -365,3 +365,15 @@ def test_default_gram_restarts() -> None:
     assert default_gram_restarts(8, "bfloat16") == (2, 4, 6)
     assert NSConfig(ns_method="gram", gram_half_dtype="bfloat16").restarts() == (2, 4)
     assert NSConfig(ns_method="gram", gram_restarts=(1,)).restarts() == (1,)
+
+
+def test_config_from_lists_is_hashable() -> None:
+    """Lists from YAML / argparse are stored as tuples (the config is frozen and hashable)."""
+    config = NSConfig(
+        coefficient_type="custom",
+        custom_coefficient_sets=[[3.0, -3.2, 1.2]],  # type: ignore[arg-type]
+        gram_restarts=[2],  # type: ignore[arg-type]
+    )
+    assert config.custom_coefficient_sets == ((3.0, -3.2, 1.2),)
+    assert config.gram_restarts == (2,)
+    hash(config)
