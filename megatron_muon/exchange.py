@@ -4,9 +4,9 @@ Two exchanges over the data-parallel group, both exact and both entered by every
 matrix of a bucket, whether it holds rows of it or not (a rank that skipped one would desynchronise
 the collective):
 
-- ``OwnerExchange`` (owner-compute): each matrix has one owner rank. One packed ``all_to_all`` brings
-  every row shard to its matrix's owner; after NS, one packed ``all_to_all`` returns each holder its
-  rows. A rank sends about its own shard bytes each way, not ``DP x``.
+- ``OwnerExchange`` (owner-compute): each matrix has one owner rank. One packed ``all_to_all``
+  brings every row shard to its matrix's owner; after NS, one packed ``all_to_all`` returns each
+  holder its rows. A rank sends about its own shard bytes each way, not ``DP x``.
 - ``GatherExchange`` (reference): one padded ``all_gather`` brings every matrix to every rank.
 
 Split sizes and pack/unpack maps depend only on the layouts and the plan, so they are computed once
@@ -168,13 +168,10 @@ class OwnerExchange:
 
     def _all_to_all(self, send: _Splits, recv: _Splits, read, write, stats: ExchangeStats) -> None:
         send_buffer = torch.cat(
-            [read(b).reshape(-1).float() for peer in send.blocks for b in peer]
-            or [torch.empty(0)]
+            [read(b).reshape(-1).float() for peer in send.blocks for b in peer] or [torch.empty(0)]
         )
         recv_buffer = torch.empty(sum(recv.sizes), dtype=torch.float32)
-        dist.all_to_all_single(
-            recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group
-        )
+        dist.all_to_all_single(recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group)
         position = 0
         for peer_blocks in recv.blocks:
             for block in peer_blocks:
@@ -204,8 +201,13 @@ class GatherExchange:
         self.rank = rank
         self.group = group
         self.world = dist.get_world_size(group)
-        self.max_rows = [max(l.rows_of(r) for r in range(self.world)) for l in self.layouts]
-        self.slot_numel = [m * l.row_numel for m, l in zip(self.max_rows, self.layouts)]
+        self.max_rows = [
+            max(layout.rows_of(r) for r in range(self.world)) for layout in self.layouts
+        ]
+        self.slot_numel = [
+            rows * layout.row_numel
+            for rows, layout in zip(self.max_rows, self.layouts, strict=True)
+        ]
 
     def gather(
         self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats

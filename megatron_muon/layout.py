@@ -9,8 +9,8 @@ from the local shapes and gathered once, for all params together, in a single ``
 small integer tensor; it never changes between steps and is kept on the optimizer.
 
 Vocabulary: the *matrix* of a param is its tensor-parallel-local, data-parallel-full tensor: shape
-``(num_rows, *row_shape)`` (``row_shape`` is ``(cols,)`` for 2-D weights, ``(out, in)`` for 3-D expert
-tensors whose rows are whole experts).
+``(num_rows, *row_shape)`` (``row_shape`` is ``(cols,)`` for 2-D weights, ``(out, in)`` for 3-D
+expert tensors whose rows are whole experts).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class RowLayout:
     Attributes:
         num_rows: rows of the matrix (the DTensor's global dim 0; padding rows trimmed).
         row_shape: shape of one row: ``(cols,)``, or ``(out, in)`` for a 3-D expert tensor.
-        ranges: ``ranges[r] = (start, stop)`` rows held by group rank ``r`` (``start == stop`` if none).
+        ranges: ``ranges[r] = (start, stop)``: rows held by group rank ``r`` (empty if none).
     """
 
     num_rows: int
@@ -144,9 +144,9 @@ def gather_row_layouts(
         One ``RowLayout`` per param.
     """
     world = dist.get_world_size(group)
-    described = torch.tensor(
-        [_describe_local_rows(p) for p in params], dtype=torch.int64
-    ).reshape(len(params), 4)
+    described = torch.tensor([_describe_local_rows(p) for p in params], dtype=torch.int64).reshape(
+        len(params), 4
+    )
     gathered = torch.empty(world * len(params), 4, dtype=torch.int64)
     all_gather_single(gathered, described, group=group)
     table = gathered.view(world, len(params), 4).tolist()

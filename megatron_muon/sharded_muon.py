@@ -38,7 +38,7 @@ from torch.optim.optimizer import ParamsT
 
 from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange
 from megatron_muon.layout import RowLayout, gather_row_layouts, local_tensor
-from megatron_muon.newton_schulz import NSConfig, ns_flops, orthogonalize_batch
+from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
 from megatron_muon.planner import OwnerPlan, plan_owners
 
 __all__ = ["ShardedMuon", "FsdpModeT", "StepStats"]
@@ -69,7 +69,13 @@ class _StepPlan:
     experts: list[int]  # positions of 3-D params, orthogonalized locally
     owner_plan: OwnerPlan
     buckets: list[list[int]]  # positions into ``matrices``
+    dp_size: int
     exchanges: dict[tuple[int, ...], Any] = field(default_factory=dict)
+
+
+def _tp_size(pg_collection: Any) -> int:
+    group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    return dist.get_world_size(group) if group is not None else 1
 
 
 class ShardedMuon(TensorParallelMuon):
@@ -84,11 +90,16 @@ class ShardedMuon(TensorParallelMuon):
             ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
         bucket_size_bytes: bound on the fp32 bytes of full matrices exchanged at once (peak extra
             memory); ``None`` exchanges all matrices in one bucket.
+        ns_method: ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz; ``newton_schulz.py``).
+        custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
+        offload_momentum: keep momentum in (pinned, on GPU machines) CPU memory between steps; it
+            is brought back to the param's device for the step. Results are bitwise unchanged.
+            Momentum stays resident from ``state_dict()`` until the end of the next step.
 
     Params: DTensors with ``Shard(0)`` (1-D mesh, or the shard dim of an HSDP mesh) or ``Replicate``
     placements, or plain tensors (replicated over ``dp_group``); 2-D ``(out, in)`` matrices or 3-D
-    ``(E, out, in)`` expert tensors (orthogonalized per expert). State (``momentum_buffer``, like the
-    param) exists for every param on every rank from construction on, so checkpoint keys are the
+    ``(E, out, in)`` expert tensors (orthogonalized per expert). State (``momentum_buffer``, like
+    the param) exists for every param on every rank from construction on, so checkpoint keys are the
     same on every rank.
     """
 
@@ -114,6 +125,9 @@ class ShardedMuon(TensorParallelMuon):
         dp_group: dist.ProcessGroup | None = None,
         mode: FsdpModeT = "owner",
         bucket_size_bytes: int | None = None,
+        ns_method: NSMethodT = "standard",
+        custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
+        offload_momentum: bool = False,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -122,7 +136,9 @@ class ShardedMuon(TensorParallelMuon):
         if split_qkv and is_qkv_fn is None:
             raise ValueError("split_qkv=True needs is_qkv_fn to tell which params are QKV weights")
         if tp_mode not in ("blockwise", "duplicated", "distributed"):
-            raise ValueError(f"tp_mode must be blockwise, duplicated or distributed, got {tp_mode!r}")
+            raise ValueError(
+                f"tp_mode must be blockwise, duplicated or distributed, got {tp_mode!r}"
+            )
         super().__init__(
             params,
             lr=lr,
@@ -146,8 +162,24 @@ class ShardedMuon(TensorParallelMuon):
             coefficient_type=coefficient_type,  # type: ignore[arg-type]
             scale_mode=scale_mode,  # type: ignore[arg-type]
             extra_scale_factor=extra_scale_factor,
+            ns_method=ns_method,
+            custom_coefficient_sets=(
+                tuple(tuple(c) for c in custom_coefficient_sets)  # type: ignore[misc]
+                if custom_coefficient_sets is not None
+                else None
+            ),
         )
+        if (ns_method != "standard" or custom_coefficient_sets is not None) and (
+            tp_mode != "blockwise" and _tp_size(pg_collection) > 1
+        ):
+            raise ValueError(
+                f"ns_method={ns_method!r} / custom coefficients run in megatron_muon's own NS; "
+                f"tp_mode={tp_mode!r} with tensor parallelism runs TensorParallelMuon's standard "
+                "NS across TP ranks. Use tp_mode='blockwise' or the standard method."
+            )
         self.dp_group = dp_group
+        self.offload_momentum = offload_momentum
+        self._offloaded: dict[torch.Tensor, torch.Tensor] = {}
         self.mode: FsdpModeT = mode
         self.bucket_size_bytes = bucket_size_bytes
         self.step_stats = StepStats()
@@ -171,8 +203,9 @@ class ShardedMuon(TensorParallelMuon):
         if closure is not None:
             raise ValueError("closure is not supported")
         plan = self._step_plan()
-        active = self._params_with_grad_anywhere(plan)
         self.step_stats = StepStats()
+        active = self._params_with_grad_anywhere(plan)
+        self._bring_momentum_back()
         inputs: list[torch.Tensor | None] = [None] * len(plan.params)
         for position, (param, group) in enumerate(zip(plan.params, plan.groups, strict=True)):
             if active[position]:
@@ -188,6 +221,8 @@ class ShardedMuon(TensorParallelMuon):
             self.pre_weight_update_fn_inplace(local, update)
             local.add_(update, alpha=-group["lr"])
             self.post_weight_update_fn_inplace(local)
+        if self.offload_momentum:
+            self._offload_momentum()
         return None
 
     def _momentum_update(self, param: torch.Tensor, group: dict) -> torch.Tensor:
@@ -208,9 +243,52 @@ class ShardedMuon(TensorParallelMuon):
         any rank is skipped everywhere, as ``TensorParallelMuon`` skips it.
         """
         flags = torch.tensor([p.grad is not None for p in plan.params], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
-        self.step_stats.num_collectives += 1
+        if plan.dp_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+            self.step_stats.num_collectives += 1
         return [bool(f) for f in flags.tolist()]
+
+    # ----------------------------------------------------------------------------------------------
+    # momentum offload
+    # ----------------------------------------------------------------------------------------------
+
+    def _offload_momentum(self) -> None:
+        """Copies each momentum's local rows to host memory and frees the device storage.
+
+        The tensor objects in ``self.state`` stay (checkpoint keys, DTensor placements and global
+        shape unchanged); only their storage is released until ``_bring_momentum_back``.
+        """
+        pin = torch.cuda.is_available()
+        for param in self._all_params():
+            local = local_tensor(self.state[param]["momentum_buffer"])
+            host = self._offloaded.get(local)
+            if host is None:
+                host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+                self._offloaded[local] = host
+            host.copy_(local, non_blocking=pin)
+        if pin:
+            torch.cuda.current_stream().synchronize()
+        for local in self._offloaded:
+            local.untyped_storage().resize_(0)
+
+    def _bring_momentum_back(self) -> None:
+        """Restores offloaded momentum to the device (a no-op when nothing is offloaded)."""
+        for local, host in self._offloaded.items():
+            storage = local.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(host.numel() * host.element_size())
+                local.copy_(host, non_blocking=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state with every momentum resident (offloaded momentum brought back)."""
+        self._bring_momentum_back()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads state; offload bookkeeping restarts from the loaded (resident) tensors."""
+        self._bring_momentum_back()
+        self._offloaded.clear()
+        super().load_state_dict(state_dict)
 
     # ----------------------------------------------------------------------------------------------
     # orthogonalization
@@ -238,7 +316,11 @@ class ShardedMuon(TensorParallelMuon):
                 continue
             positions = [plan.matrices[m] for m in active]
             local_rows = [inputs[p].float() for p in positions]  # type: ignore[union-attr]
-            if self.mode == "owner":
+            if plan.dp_size == 1:
+                # Every rank holds every row: no exchange, NS on the local (full) matrices.
+                self._note_peak(local_rows)
+                results = self._orthogonalize_full(positions, local_rows)
+            elif self.mode == "owner":
                 results = self._owner_bucket(plan, active, positions, local_rows, stats)
             else:
                 results = self._gather_bucket(plan, active, positions, local_rows, stats)
@@ -320,9 +402,7 @@ class ShardedMuon(TensorParallelMuon):
         results: list[torch.Tensor | None] = [None] * len(jobs)
         for (rows, cols), indices in by_shape.items():
             outputs = orthogonalize_batch([jobs[i] for i in indices], self.ns_config)
-            self.step_stats.ns_flops += len(indices) * ns_flops(
-                rows, cols, self.ns_config.num_ns_steps
-            )
+            self.step_stats.ns_flops += len(indices) * self.ns_config.flops(rows, cols)
             for i, output in zip(indices, outputs, strict=True):
                 results[i] = output
         return results  # type: ignore[return-value]
@@ -363,7 +443,11 @@ class ShardedMuon(TensorParallelMuon):
     def _tp_group(self, param: torch.Tensor) -> dist.ProcessGroup | None:
         if self.pg_collection is None:
             return None
-        return self.pg_collection.expt_tp if getattr(param, "expert_tp", False) else self.pg_collection.tp
+        return (
+            self.pg_collection.expt_tp
+            if getattr(param, "expert_tp", False)
+            else self.pg_collection.tp
+        )
 
     def _needs_tp_collectives(self, param: torch.Tensor) -> bool:
         """True when TensorParallelMuon would communicate over TP for this param."""
@@ -384,8 +468,10 @@ class ShardedMuon(TensorParallelMuon):
 
     def _step_plan(self) -> _StepPlan:
         params = self._all_params()
-        if self._plan is not None and len(self._plan.params) == len(params) and all(
-            a is b for a, b in zip(self._plan.params, params, strict=True)
+        if (
+            self._plan is not None
+            and len(self._plan.params) == len(params)
+            and all(a is b for a, b in zip(self._plan.params, params, strict=True))
         ):
             self._plan.groups = [g for g in self.param_groups for _ in g["params"]]
             return self._plan
@@ -394,11 +480,12 @@ class ShardedMuon(TensorParallelMuon):
 
     def _build_plan(self, params: list[torch.Tensor]) -> _StepPlan:
         """Layouts (one all_gather), owners and buckets. Collective over ``dp_group``."""
+        dp_size = dist.get_world_size(self.dp_group)
         layouts = gather_row_layouts(params, self.dp_group)
         matrices = [i for i, p in enumerate(params) if p.ndim == 2]
         experts = [i for i, p in enumerate(params) if p.ndim == 3]
         costs = [self._ns_cost(params[i], layouts[i]) for i in matrices]
-        owner_plan = plan_owners(costs, dist.get_world_size(self.dp_group))
+        owner_plan = plan_owners(costs, dp_size)
         return _StepPlan(
             params=params,
             groups=[g for g in self.param_groups for _ in g["params"]],
@@ -407,17 +494,17 @@ class ShardedMuon(TensorParallelMuon):
             experts=experts,
             owner_plan=owner_plan,
             buckets=self._buckets([layouts[i] for i in matrices]),
+            dp_size=dp_size,
         )
 
     def _ns_cost(self, param: torch.Tensor, layout: RowLayout) -> int:
         """NS FLOPs of a full matrix (sum over Q, K, V under QKV split); same on every TP rank."""
         rows, cols = layout.num_rows, layout.row_shape[0]
         shapes = self._qkv_split_shapes(param)
-        steps = self.ns_config.num_ns_steps
         if shapes is None or rows % sum(shapes) != 0:
-            return ns_flops(rows, cols, steps)
+            return self.ns_config.flops(rows, cols)
         groups = rows // sum(shapes)
-        return sum(ns_flops(groups * s, cols, steps) for s in shapes)
+        return sum(self.ns_config.flops(groups * s, cols) for s in shapes)
 
     def _buckets(self, layouts: list[RowLayout]) -> list[list[int]]:
         """Consecutive matrices whose full fp32 bytes stay within ``bucket_size_bytes``."""

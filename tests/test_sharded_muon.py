@@ -1,4 +1,4 @@
-"""ShardedMuon equals an unsharded single-process Muon on the full matrices (fp32, highest precision).
+"""ShardedMuon equals an unsharded single-process Muon on the full matrices (fp32, highest prec.).
 
 Every test steps a sharded copy and megatron-core's ``TensorParallelMuon`` on the full params side
 by side for several steps with fresh random grads, and compares each rank's rows of params and
@@ -7,9 +7,10 @@ momentum with the reference's rows: relative error (Frobenius, over the whole ma
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.harness import run_on_ranks
 
@@ -41,11 +42,15 @@ def _sharded_param(full: torch.Tensor, rows: list[int], rank: int, mesh) -> torc
     start = _offsets(rows)[rank]
     local = full[start : start + rows[rank]].clone()
     return torch.nn.Parameter(
-        DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
     )
 
 
-def _set_sharded_grad(param, full_grad: torch.Tensor, rows: list[int], rank: int, none_if_empty: bool):
+def _set_sharded_grad(
+    param, full_grad: torch.Tensor, rows: list[int], rank: int, none_if_empty: bool
+):
     from torch.distributed.tensor import DTensor
 
     start = _offsets(rows)[rank]
@@ -54,12 +59,17 @@ def _set_sharded_grad(param, full_grad: torch.Tensor, rows: list[int], rank: int
         return
     local = full_grad[start : start + rows[rank]].clone()
     param.grad = DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
     )
 
 
 def _relative_errors(params, optimizer, reference_params, reference, row_starts) -> dict:
-    """Max over params of ||mine - reference rows|| / ||reference full||, for params and momentum."""
+    """Max over params of ||mine - reference rows|| / ||reference full||, params and momentum."""
     from megatron_muon.layout import local_tensor
 
     worst = {"param": 0.0, "momentum": 0.0}
@@ -68,7 +78,10 @@ def _relative_errors(params, optimizer, reference_params, reference, row_starts)
         rows = slice(start, start + local.shape[0])
         momentum = local_tensor(optimizer.state[p]["momentum_buffer"])
         ref_momentum = reference.state[ref]["momentum_buffer"]
-        for key, mine, full in (("param", local, ref.detach()), ("momentum", momentum, ref_momentum)):
+        for key, mine, full in (
+            ("param", local, ref.detach()),
+            ("momentum", momentum, ref_momentum),
+        ):
             error = ((mine - full[rows]).norm() / full.norm()).item()
             worst[key] = max(worst[key], error)
     return worst
@@ -195,7 +208,10 @@ def test_owner_mode_balances_ns_flops_and_moves_about_twice_the_own_shard():
     assert min(gather_flops) == sum(owner_flops), (gather_flops, owner_flops)
     own_shard_bytes = 4 * sum(rows * cols for rows, cols in shapes) / world_size
     for r in results:
-        assert r["owner"].bytes_sent <= 2.0 * own_shard_bytes, (r["owner"].bytes_sent, own_shard_bytes)
+        assert r["owner"].bytes_sent <= 2.0 * own_shard_bytes, (
+            r["owner"].bytes_sent,
+            own_shard_bytes,
+        )
         assert r["gather"].bytes_sent >= (world_size - 1) * own_shard_bytes
         assert r["errors"]["param"] <= TOLERANCE
 
@@ -254,6 +270,97 @@ def test_matches_unsharded_muon_on_a_real_megatron_fsdp_layout(world_size, strat
         assert result["errors"]["momentum"] <= TOLERANCE, result
     if world_size == 3 and strategy == "optim":
         # REFERENCE.md section 3: this layout leaves a rank with zero rows (grad None) of a param.
-        assert any(
-            rows == 0 for result in results for _, rows in result["rows"].values()
-        ), [r["rows"] for r in results]
+        assert any(rows == 0 for result in results for _, rows in result["rows"].values()), [
+            r["rows"] for r in results
+        ]
+
+
+def test_dp1_needs_no_exchange_and_matches_unsharded_muon():
+    [result] = run_on_ranks(
+        _run_constructed_splits, 1, SHAPES, [[r] for r, _ in SHAPES], "owner", 3
+    )
+    assert result["errors"]["param"] <= TOLERANCE and result["errors"]["momentum"] <= TOLERANCE
+    assert result["stats"].num_collectives == 0
+    assert result["stats"].bytes_sent == 0
+
+
+def _run_gram(rank: int, world_size: int) -> list[torch.Tensor]:
+    splits = _splits_for(world_size, "empty") if world_size > 1 else [[r] for r, _ in SHAPES]
+    result = _run_constructed_splits(
+        rank, world_size, SHAPES, splits, "owner", 2, sharded_only={"ns_method": "gram"}
+    )
+    return result["locals"]
+
+
+def test_gram_newton_schulz_is_as_exact_under_sharding_as_unsharded():
+    [unsharded] = run_on_ranks(_run_gram, 1)
+    sharded = run_on_ranks(_run_gram, 2)
+    splits = _splits_for(2, "empty")
+    for i, full in enumerate(unsharded):
+        mine = torch.cat([sharded[r][i] for r in range(2)])
+        assert sum(splits[i]) == full.shape[0]
+        assert ((mine - full).norm() / full.norm()).item() <= TOLERANCE
+
+
+def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_muon import ShardedMuon
+    from megatron_muon.layout import local_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    splits = _splits_for(world_size, "empty")
+    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
+
+    def build():
+        params = [
+            _sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)
+        ]
+        return params, ShardedMuon(params, offload_momentum=offload, **MUON_KWARGS)
+
+    def train(params, optimizer, steps, first):
+        for step in range(first, first + steps):
+            for i, (p, rows) in enumerate(zip(params, splits, strict=True)):
+                grad = _full_tensor(p.shape, seed=1000 * step + i + 100)
+                _set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
+            optimizer.step()
+
+    params, optimizer = build()
+    train(params, optimizer, 3, 0)
+    released = [
+        local_tensor(optimizer.state[p]["momentum_buffer"]).untyped_storage().size() for p in params
+    ]
+    state = optimizer.state_dict()
+    momentum = [
+        local_tensor(state["state"][i]["momentum_buffer"]).clone() for i in range(len(params))
+    ]
+    # resume into fresh params/optimizer and continue
+    resumed_params, resumed = build()
+    with torch.no_grad():
+        for mine, trained in zip(resumed_params, params, strict=True):
+            local_tensor(mine).copy_(local_tensor(trained))
+    resumed.load_state_dict(copy.deepcopy(state))  # a copy, as a save and a load would give
+    train(resumed_params, resumed, 2, 3)
+    train(params, optimizer, 2, 3)
+    return {
+        "released": released,
+        "momentum": momentum,
+        "params": [local_tensor(p).detach().clone() for p in params],
+        "resumed": [local_tensor(p).detach().clone() for p in resumed_params],
+    }
+
+
+def test_momentum_offload_is_bitwise_equal_to_resident_momentum_and_survives_resume():
+    resident = run_on_ranks(_run_offload, 2, False)
+    offloaded = run_on_ranks(_run_offload, 2, True)
+    for r, o in zip(resident, offloaded, strict=True):
+        assert all(size == 0 for size in o["released"]), o["released"]  # storage really freed
+        assert all(
+            size > 0 for size, m in zip(r["released"], r["momentum"], strict=True) if m.numel()
+        )
+        for a, b in zip(r["momentum"], o["momentum"], strict=True):
+            assert torch.equal(a, b)
+        for a, b, c in zip(r["params"], o["params"], o["resumed"], strict=True):
+            assert torch.equal(a, b)
+            assert torch.equal(b, c)

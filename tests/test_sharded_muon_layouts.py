@@ -155,7 +155,11 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
         )
         kwargs = {**MUON_KWARGS, **qkv_kwargs}
         optimizer = ShardedMuon(
-            params, dp_group=pgc.dp_cp, mode=mode, pg_collection=pgc, **{**kwargs, "tp_mode": tp_mode}
+            params,
+            dp_group=pgc.dp_cp,
+            mode=mode,
+            pg_collection=pgc,
+            **{**kwargs, "tp_mode": tp_mode},
         )
         reference = TensorParallelMuon(reference_params, **kwargs)
         _step_both(
@@ -207,7 +211,12 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
 
     def dtensor(i: int, full: torch.Tensor) -> DTensor:
         return DTensor.from_local(
-            full[rows(i)].clone(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            full[rows(i)].clone(),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
         )
 
     params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
@@ -248,7 +257,13 @@ def _run_buckets(rank: int, world_size: int, bucket_size_bytes: int | None) -> d
     shapes = [(64, 32)] * 6 + [(32, 96)] * 3
     splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
     return _run_constructed_splits(
-        rank, world_size, shapes, splits, "owner", 2, sharded_only={"bucket_size_bytes": bucket_size_bytes}
+        rank,
+        world_size,
+        shapes,
+        splits,
+        "owner",
+        2,
+        sharded_only={"bucket_size_bytes": bucket_size_bytes},
     )
 
 
@@ -300,7 +315,9 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     params = [p for _, p in named]
     # Row offsets from megatron_fsdp's own chunk metadata: independent of megatron_muon.layout.
     starts = [gather_and_compute_chunk_metadata(p).offsets[0] for p in params]
-    reference_params = [torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n, _ in named]
+    reference_params = [
+        torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n, _ in named
+    ]
     optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
 
