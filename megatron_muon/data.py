@@ -6,8 +6,8 @@ Files are read in a fixed (sorted) order; whole files go to either the training 
 validation split, so no text is shared between them. A user's own text file works the same way.
 
 Samples have the keys and dtypes megatron-core's ``GPTDataset`` yields (``tokens``, ``labels``,
-``loss_mask``, ``position_ids``), so Megatron's data loaders and ``forward_step`` functions take them
-unchanged.
+``loss_mask``, ``position_ids``), so Megatron's data loaders and ``forward_step`` functions take
+them unchanged.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def load_text_splits(
 class ByteTextDataset(torch.utils.data.Dataset):
     """Consecutive ``seq_length``-token windows of a byte stream, as GPT samples.
 
-    Sample ``i`` covers bytes ``[i * seq_length, (i + 1) * seq_length + 1)``: ``tokens`` are the first
-    ``seq_length``, ``labels`` the same shifted by one. With ``num_samples`` above the number of
-    windows, samples wrap around (epochs), as Megatron's datasets do.
+    Sample ``i`` covers bytes ``[i * seq_length, (i + 1) * seq_length + 1)``: ``tokens`` are the
+    first ``seq_length``, ``labels`` the same shifted by one. With ``num_samples`` above the number
+    of windows, samples wrap around (epochs), as Megatron's datasets do.
     """
 
     def __init__(self, tokens: torch.Tensor, seq_length: int, num_samples: int | None = None):

@@ -17,7 +17,8 @@ def test_stdlib_sources_are_found_in_a_fixed_order():
 
 def test_train_and_validation_splits_are_real_text_and_disjoint_files():
     splits = load_text_splits(max_bytes=2 * 2**20, valid_fraction=0.1)
-    assert splits.train.dtype == torch.uint8 and splits.train.numel() > 10 * splits.valid.numel() / 2
+    assert splits.train.dtype == torch.uint8
+    assert splits.train.numel() > 5 * splits.valid.numel()
     text = bytes(splits.train[:20000].tolist()).decode("utf-8", errors="replace")
     assert "def " in text and "import" in text
     # Whole files are held out: the validation text does not start inside the training text.
