@@ -29,6 +29,25 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
   module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
+
+Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
+of everything above; section 8):
+
+- ``torch.cuda.synchronize`` -> no-op: the loop's timers synchronize before reading the clock.
+- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> a dummy CPU byte state / no-op: checkpoints
+  save and restore the CUDA RNG state next to the CPU one.
+- ``megatron.training.arguments.get_device_arch_version`` -> 0: ``validate_args`` asks the GPU's
+  compute capability for Megatron-FSDP's stream priorities.
+- ``initialize_megatron(allow_no_cuda=True)``: it asserts a GPU is present unless told otherwise.
+- ``torch.cuda.device_count`` -> 1 and ``set_device`` -> no-op, during ``_initialize_distributed``
+  only: model-parallel groups are created only when a GPU is counted.
+- the inference RNG tracker after ``_set_random_seed`` (its ``fork`` is a null context): the
+  training tracker snapshots CUDA RNG states; on CPU the default generator is the only one.
+- ``megatron.core.datasets.utils.compile_helpers`` -> no-op: the wheel ships the built dataset
+  helpers but not their Makefile (packaging, not CUDA).
+- ``FullyShardedDataParallel(device=None)`` -> ``device=cpu``: the wrapper otherwise places its
+  buffers on ``cuda:current_device()``.
+- the device redirect above, extended to the loop's modules (``_TRAINING_REDIRECT_MODULES``).
 """
 
 from __future__ import annotations
@@ -41,7 +60,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install", "installed", "cpu_device_redirect_modules"]
+__all__ = ["install", "install_for_training", "installed", "cpu_device_redirect_modules"]
 
 _INSTALLED = False
 
@@ -53,6 +72,16 @@ _DEVICE_REDIRECT_MODULES = [
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.distrib_optimizer",
+]
+
+# Megatron-LM's training loop modules that allocate on "cuda" (install_for_training()).
+_TRAINING_REDIRECT_MODULES = [
+    "megatron.training.training",
+    "megatron.training.initialize",
+    "megatron.training.checkpointing",
+    "megatron.training.utils.common_utils",
+    "megatron.core.timers",
+    "megatron.core.rerun_state_machine",
 ]
 
 _FACTORIES = (
@@ -372,3 +401,121 @@ def _patch_clip_grads_type_check() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = clip_on_cpu
     if getattr(optimizer, "clip_grad_by_total_norm_fp32", None) is original:
         optimizer.clip_grad_by_total_norm_fp32 = clip_on_cpu
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron-LM's training loop (megatron.training.pretrain)
+# --------------------------------------------------------------------------------------------------
+
+_TRAINING_INSTALLED = False
+
+
+def install_for_training() -> None:
+    """Applies ``install()`` plus the stand-ins ``megatron.training.pretrain`` needs. Idempotent.
+
+    Unlike ``install()`` this may run before ``init_process_group``: Megatron's loop creates the
+    process group itself, inside ``initialize_megatron``, and every stand-in here is a function
+    replacement that takes effect when the loop calls it.
+
+    Raises:
+        RuntimeError: if a CUDA device is present.
+    """
+    global _TRAINING_INSTALLED
+    install(extra_redirect_modules=_TRAINING_REDIRECT_MODULES)
+    if _TRAINING_INSTALLED:
+        return
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda *a, **k: _DUMMY_CUDA_RNG_STATE.clone()  # type: ignore
+    torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
+    _patch_training_arguments()
+    _patch_training_initialize()
+    _patch_dataset_helpers()
+    _patch_fsdp_default_device()
+    _TRAINING_INSTALLED = True
+
+
+# What a checkpoint stores as the "CUDA" RNG state on CPU: a fixed empty byte tensor.
+_DUMMY_CUDA_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
+
+
+def _patch_training_arguments() -> None:
+    """``validate_args`` reads the GPU's compute capability (arguments.py, Megatron-FSDP block)."""
+    arguments = importlib.import_module("megatron.training.arguments")
+    arguments.get_device_arch_version = lambda: 0
+
+
+def _patch_training_initialize() -> None:
+    """``initialize_megatron``: allow no CUDA; count one device while creating groups; CPU RNG."""
+    initialize = importlib.import_module("megatron.training.initialize")
+    training = importlib.import_module("megatron.training.training")
+    tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
+
+    original_initialize = initialize.initialize_megatron
+    if not getattr(original_initialize, "_cpu_stand_in", False):
+
+        @functools.wraps(original_initialize)
+        def initialize_without_cuda(*args: Any, **kwargs: Any) -> Any:
+            kwargs["allow_no_cuda"] = True
+            return original_initialize(*args, **kwargs)
+
+        initialize_without_cuda._cpu_stand_in = True  # type: ignore[attr-defined]
+        initialize.initialize_megatron = initialize_without_cuda
+        if getattr(training, "initialize_megatron", None) is original_initialize:
+            training.initialize_megatron = initialize_without_cuda
+
+    original_distributed = initialize._initialize_distributed
+    if not getattr(original_distributed, "_cpu_stand_in", False):
+
+        @functools.wraps(original_distributed)
+        def distributed_with_one_device(*args: Any, **kwargs: Any) -> Any:
+            # mpu.initialize_model_parallel runs only when torch.cuda.device_count() > 0.
+            saved = torch.cuda.device_count, torch.cuda.set_device
+            torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+            torch.cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+            try:
+                return original_distributed(*args, **kwargs)
+            finally:
+                torch.cuda.device_count, torch.cuda.set_device = saved  # type: ignore[assignment]
+
+        distributed_with_one_device._cpu_stand_in = True  # type: ignore[attr-defined]
+        initialize._initialize_distributed = distributed_with_one_device
+
+    original_seed = initialize._set_random_seed
+    if not getattr(original_seed, "_cpu_stand_in", False):
+
+        @functools.wraps(original_seed)
+        def seed_with_cpu_tracker(seed: int, *args: Any, **kwargs: Any) -> Any:
+            # The CPU seeds are set by the original; with no GPU counted it skips the CUDA
+            # tracker, which model code forks: install the inference tracker (fork = no-op).
+            result = original_seed(seed, *args, **kwargs)
+            tensor_parallel.model_parallel_cuda_manual_seed(
+                seed, inference_rng_tracker=True, force_reset_rng=True
+            )
+            return result
+
+        seed_with_cpu_tracker._cpu_stand_in = True  # type: ignore[attr-defined]
+        initialize._set_random_seed = seed_with_cpu_tracker
+
+
+def _patch_dataset_helpers() -> None:
+    """The wheel ships the compiled dataset helpers but not the Makefile that builds them."""
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    utils.compile_helpers = lambda: None
+
+
+def _patch_fsdp_default_device() -> None:
+    """megatron-core's ``FullyShardedDataParallel`` defaults to ``cuda:current_device()``."""
+    distributed = importlib.import_module("megatron.core.distributed")
+    wrapper = distributed.FullyShardedDataParallel
+    original = wrapper.__init__
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def init_on_cpu(self: Any, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("device") is None and len(args) < 6:  # device is the 6th argument
+            kwargs["device"] = torch.device("cpu")
+        original(self, *args, **kwargs)
+
+    init_on_cpu._cpu_stand_in = True  # type: ignore[attr-defined]
+    wrapper.__init__ = init_on_cpu

@@ -1,0 +1,242 @@
+"""``--optimizer muon --use-megatron-fsdp`` in Megatron-LM's own training loop: one ``install()``.
+
+Megatron-LM's ``pretrain_gpt.py`` trains through ``megatron.training.pretrain``, which ships inside
+the megatron-core wheel. Put ``install()`` at the top of that script (before it parses arguments)
+and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
+every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
+
+What ``install()`` patches, and why (three functions, each wrapped, none copied):
+
+1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
+   ``--muon-fsdp-mode`` and the rest) are chained after the caller's ``extra_args_provider``, so
+   a script that passes its own provider, or none, gets them without a second edit.
+2. ``megatron.training.arguments.validate_args``: megatron-core 0.19.2 refuses Muon with
+   Megatron-FSDP twice (``assert args.optimizer in ('sgd', 'adam')`` in the Megatron-FSDP block;
+   ``assert not args.use_megatron_fsdp`` in the emerging-optimizer block, which also allows only the
+   torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
+   ``args.optimizer == "muon"`` and ``args.use_megatron_fsdp``, the original runs with the
+   optimizer reported as "adam" and the name is restored before the arguments are printed and
+   returned. In 0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two places, so
+   every other check runs unchanged; skipping the emerging-optimizer block also keeps
+   ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
+   Megatron-FSDP already does by rows).
+3. ``get_megatron_optimizer``, both the ``megatron.core.optimizer`` attribute and the name that
+   ``megatron.training.training`` imported: exactly when ``config.optimizer == "muon"`` and a model
+   chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
+   (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
+   installs the weights and re-syncs params; inside this loop gradients were already reduced by
+   ``finalize_model_grads``, so the wrapper is told not to reduce them again). Stock megatron-core
+   would build a ``TensorParallelMuon`` that trains nothing under no_shard and crashes under every
+   sharded strategy (REFERENCE.md section 7).
+
+Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
+the original functions with the original arguments. Checked against megatron-core 0.19.2 (the
+project's pin); ``install()`` raises on any other version rather than patch code it has not read.
+On a machine without a GPU, ``install()`` also applies ``megatron_muon.cpu_stand_ins.
+install_for_training()`` (gloo/CPU runs); with a GPU nothing of that module is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_MEGATRON_CORE_VERSIONS",
+    "install",
+    "installed",
+    "extra_args_provider",
+    "muon_meets_megatron_fsdp",
+    "uses_megatron_fsdp",
+]
+
+SUPPORTED_MEGATRON_CORE_VERSIONS = ("0.19.2",)
+
+_INSTALLED = False
+
+
+def installed() -> bool:
+    """True once ``install()`` has run in this process."""
+    return _INSTALLED
+
+
+def install(*, cpu_stand_ins: bool | None = None) -> None:
+    """Makes ``megatron.training`` accept and run ``--optimizer muon --use-megatron-fsdp``.
+
+    Idempotent; call it before Megatron parses arguments (first line of the launcher script).
+
+    Args:
+        cpu_stand_ins: apply ``megatron_muon.cpu_stand_ins.install_for_training()``; default: when
+            no GPU is present.
+
+    Raises:
+        RuntimeError: the installed megatron-core is not a version this patch was checked against.
+    """
+    global _INSTALLED
+    _check_megatron_core_version()
+    if cpu_stand_ins is None:
+        cpu_stand_ins = not torch.cuda.is_available()
+    if cpu_stand_ins:
+        from megatron_muon import cpu_stand_ins as stand_ins
+
+        stand_ins.install_for_training()
+    if _INSTALLED:
+        return
+    arguments = importlib.import_module("megatron.training.arguments")
+    training = importlib.import_module("megatron.training.training")
+    core_optimizer = importlib.import_module("megatron.core.optimizer")
+
+    arguments.parse_args = _with_muon_args(arguments.parse_args)
+    arguments.validate_args = _accepting_muon_with_fsdp(arguments.validate_args, arguments)
+    routed = _routing_muon_with_fsdp(core_optimizer.get_megatron_optimizer)
+    core_optimizer.get_megatron_optimizer = routed
+    training.get_megatron_optimizer = routed
+    _INSTALLED = True
+
+
+def _check_megatron_core_version() -> None:
+    package_info = importlib.import_module("megatron.core.package_info")
+    version = package_info.__shortversion__
+    if version not in SUPPORTED_MEGATRON_CORE_VERSIONS:
+        raise RuntimeError(
+            f"megatron_muon.integrations.megatron_lm patches megatron.training functions as they "
+            f"are in megatron-core {', '.join(SUPPORTED_MEGATRON_CORE_VERSIONS)}; megatron-core "
+            f"{version} is installed. Install a supported version or check the patched functions "
+            "(see this module's docstring) against it and add it to "
+            "SUPPORTED_MEGATRON_CORE_VERSIONS."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. flags
+# --------------------------------------------------------------------------------------------------
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser)."""
+    from megatron_muon.arguments import add_muon_args
+
+    if "--muon-fsdp-mode" in parser._option_string_actions:
+        return parser
+    return add_muon_args(parser)
+
+
+def _with_muon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(parse_args)
+    def parse_args_with_muon(extra_args_provider_fn: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if "extra_args_provider" in kwargs:
+            extra_args_provider_fn = kwargs.pop("extra_args_provider")
+
+        def both(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            if extra_args_provider_fn is not None:
+                parser = extra_args_provider_fn(parser)
+            return extra_args_provider(parser)
+
+        return parse_args(both, *args, **kwargs)
+
+    return parse_args_with_muon
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. validate_args
+# --------------------------------------------------------------------------------------------------
+
+
+def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
+    """True for the one combination this integration takes over: Muon with Megatron-FSDP."""
+    return getattr(args, "optimizer", None) == "muon" and bool(
+        getattr(args, "use_megatron_fsdp", False)
+    )
+
+
+def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) -> Callable:
+    @functools.wraps(validate_args)
+    def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+        if not muon_meets_megatron_fsdp(args):
+            return validate_args(args, *rest, **kwargs)
+        print_args = arguments._print_args
+
+        def print_with_muon(title: str, printed: argparse.Namespace) -> None:
+            printed.optimizer = "muon"
+            print_args(title, printed)
+
+        # The two refusals test args.optimizer; with "adam" in its place they pass, and Muon's
+        # name is back before validate_args prints and returns the arguments.
+        args.optimizer = "adam"
+        arguments._print_args = print_with_muon
+        try:
+            result = validate_args(args, *rest, **kwargs)
+        finally:
+            arguments._print_args = print_args
+            args.optimizer = "muon"
+        if result is not None:
+            result.optimizer = "muon"
+        return result
+
+    return validate_args_accepting_muon
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. get_megatron_optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+def uses_megatron_fsdp(model_chunks: Any) -> bool:
+    """True when a chunk is wrapped by Megatron-FSDP (megatron-core's wrapper or either copy)."""
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    fsdp_classes: list[type] = [FullyShardedDataParallel]
+    for name in ("megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp"):
+        try:
+            fsdp_classes.append(importlib.import_module(name).MegatronFSDP)
+        except (ImportError, AttributeError):
+            continue
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return any(isinstance(chunk, tuple(fsdp_classes)) for chunk in chunks)
+
+
+def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(get_megatron_optimizer)
+
+    @functools.wraps(get_megatron_optimizer)
+    def get_optimizer_routing_muon(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        config = bound.arguments["config"]
+        model_chunks = bound.arguments["model_chunks"]
+        if getattr(config, "optimizer", None) != "muon" or not uses_megatron_fsdp(model_chunks):
+            return get_megatron_optimizer(*args, **kwargs)
+        return _build_for_megatron_loop(
+            config,
+            model_chunks,
+            config_overrides=bound.arguments.get("config_overrides"),
+            pg_collection=bound.arguments.get("pg_collection"),
+        )
+
+    get_optimizer_routing_muon._megatron_muon_routed = True  # type: ignore[attr-defined]
+    return get_optimizer_routing_muon
+
+
+def _megatron_args() -> argparse.Namespace | None:
+    """Megatron's parsed arguments when a Megatron-LM script set them, else None."""
+    global_vars = importlib.import_module("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _build_for_megatron_loop(
+    config: Any, model_chunks: Any, *, config_overrides: Any, pg_collection: Any
+) -> Any:
+    """megatron-muon's optimizer for chunks that Megatron's ``train_step`` drives."""
+    from megatron_muon import factory
+
+    return factory.build_muon_optimizer(
+        config,
+        model_chunks,
+        config_overrides=config_overrides,
+        pg_collection=pg_collection,
+    )
