@@ -15,15 +15,22 @@ per bucket and kept. Inputs and outputs are plain local tensors (``(rows, *row_s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_muon.layout import RowLayout, all_gather_single
 
-__all__ = ["ExchangeStats", "GatherExchange", "OwnerExchange", "source_rank"]
+__all__ = [
+    "ExchangeStats",
+    "GatherExchange",
+    "OwnerExchange",
+    "PendingExchange",
+    "source_rank",
+]
 
 
 @dataclass(slots=True)
@@ -58,6 +65,18 @@ class _Block:
 
 
 @dataclass(slots=True)
+class PendingExchange:
+    """An all_to_all in flight: its handle, its buffers (kept alive) and how to unpack it."""
+
+    work: Any
+    send_buffer: torch.Tensor
+    recv_buffer: torch.Tensor
+    recv: _Splits
+    write: Callable[[_Block, torch.Tensor], None]
+    output: Any
+
+
+@dataclass(slots=True)
 class _Splits:
     """Per-peer block lists and element counts of one all_to_all, for this rank."""
 
@@ -74,6 +93,7 @@ class OwnerExchange:
         matrix_ids: global matrix index of each (seeds the choice among replicas).
         rank: this rank in ``group``.
         group: the data-parallel process group.
+        device: where buffers are allocated (the params' device).
     """
 
     def __init__(
@@ -83,7 +103,9 @@ class OwnerExchange:
         matrix_ids: Sequence[int],
         rank: int,
         group: dist.ProcessGroup | None,
+        device: torch.device,
     ) -> None:
+        self.device = device
         self.layouts = list(layouts)
         self.owners = list(owners)
         self.rank = rank
@@ -128,7 +150,16 @@ class OwnerExchange:
         Returns:
             For each owned bucket position, the full matrix ``(num_rows, *row_shape)``, fp32.
         """
-        full = {m: torch.empty(self.layouts[m].shape, dtype=torch.float32) for m in self.owned()}
+        return self.finish(self.start_gather_to_owners(local_rows, stats))
+
+    def start_gather_to_owners(
+        self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
+    ) -> PendingExchange:
+        """Starts ``gather_to_owners`` asynchronously; ``finish`` returns its result."""
+        full = {
+            m: torch.empty(self.layouts[m].shape, dtype=torch.float32, device=self.device)
+            for m in self.owned()
+        }
 
         def read(block: _Block) -> torch.Tensor:
             start = self.layouts[block.matrix].ranges[self.rank][0]
@@ -137,8 +168,7 @@ class OwnerExchange:
         def write(block: _Block, data: torch.Tensor) -> None:
             full[block.matrix][block.start : block.stop].copy_(data)
 
-        self._all_to_all(self.to_owner_send, self.to_owner_recv, read, write, stats)
-        return full
+        return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats)
 
     def scatter_from_owners(
         self, results: dict[int, torch.Tensor], stats: ExchangeStats
@@ -151,8 +181,18 @@ class OwnerExchange:
         Returns:
             This rank's rows of each matrix's result, ``(rows_of(rank), *row_shape)``, fp32.
         """
+        return self.finish(self.start_scatter_from_owners(results, stats))
+
+    def start_scatter_from_owners(
+        self, results: dict[int, torch.Tensor], stats: ExchangeStats
+    ) -> PendingExchange:
+        """Starts ``scatter_from_owners`` asynchronously; ``finish`` returns its result."""
         mine = [
-            torch.empty((layout.rows_of(self.rank), *layout.row_shape), dtype=torch.float32)
+            torch.empty(
+                (layout.rows_of(self.rank), *layout.row_shape),
+                dtype=torch.float32,
+                device=self.device,
+            )
             for layout in self.layouts
         ]
 
@@ -163,26 +203,35 @@ class OwnerExchange:
             start = self.layouts[block.matrix].ranges[self.rank][0]
             mine[block.matrix][block.start - start : block.stop - start].copy_(data)
 
-        self._all_to_all(self.back_send, self.back_recv, read, write, stats)
-        return mine
+        return self._start(self.back_send, self.back_recv, read, write, mine, stats)
 
-    def _all_to_all(self, send: _Splits, recv: _Splits, read, write, stats: ExchangeStats) -> None:
-        send_buffer = torch.cat(
-            [read(b).reshape(-1).float() for peer in send.blocks for b in peer] or [torch.empty(0)]
+    def _start(self, send: _Splits, recv: _Splits, read, write, output, stats) -> PendingExchange:
+        """Packs the send buffer and launches the all_to_all without waiting for it."""
+        pieces = [read(b).reshape(-1).float() for peer in send.blocks for b in peer]
+        send_buffer = (
+            torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
         )
-        recv_buffer = torch.empty(sum(recv.sizes), dtype=torch.float32)
-        dist.all_to_all_single(recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group)
-        position = 0
-        for peer_blocks in recv.blocks:
-            for block in peer_blocks:
-                layout = self.layouts[block.matrix]
-                numel = (block.stop - block.start) * layout.row_numel
-                data = recv_buffer[position : position + numel]
-                write(block, data.view(block.stop - block.start, *layout.row_shape))
-                position += numel
+        recv_buffer = torch.empty(sum(recv.sizes), dtype=torch.float32, device=self.device)
+        work = dist.all_to_all_single(
+            recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group, async_op=True
+        )
         stats.num_collectives += 1
         stats.bytes_sent += 4 * (sum(send.sizes) - send.sizes[self.rank])
         stats.bytes_received += 4 * (sum(recv.sizes) - recv.sizes[self.rank])
+        return PendingExchange(work, send_buffer, recv_buffer, recv, write, output)
+
+    def finish(self, pending: PendingExchange) -> Any:
+        """Waits for a started exchange and unpacks what arrived into its output."""
+        pending.work.wait()
+        position = 0
+        for peer_blocks in pending.recv.blocks:
+            for block in peer_blocks:
+                layout = self.layouts[block.matrix]
+                numel = (block.stop - block.start) * layout.row_numel
+                data = pending.recv_buffer[position : position + numel]
+                pending.write(block, data.view(block.stop - block.start, *layout.row_shape))
+                position += numel
+        return pending.output
 
 
 class GatherExchange:
@@ -192,11 +241,17 @@ class GatherExchange:
         layouts: row layout of each matrix in the bucket (same on every rank).
         rank: this rank in ``group``.
         group: the data-parallel process group.
+        device: where buffers are allocated (the params' device).
     """
 
     def __init__(
-        self, layouts: Sequence[RowLayout], rank: int, group: dist.ProcessGroup | None
+        self,
+        layouts: Sequence[RowLayout],
+        rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
     ) -> None:
+        self.device = device
         self.layouts = list(layouts)
         self.rank = rank
         self.group = group
@@ -221,13 +276,13 @@ class GatherExchange:
             Each full matrix ``(num_rows, *row_shape)``, fp32.
         """
         slot_total = sum(self.slot_numel)
-        packed = torch.zeros(slot_total, dtype=torch.float32)
+        packed = torch.zeros(slot_total, dtype=torch.float32, device=self.device)
         position = 0
         for rows, slot in zip(local_rows, self.slot_numel, strict=True):
             flat = rows.reshape(-1)
             packed[position : position + flat.numel()].copy_(flat)
             position += slot
-        gathered = torch.empty(self.world * slot_total, dtype=torch.float32)
+        gathered = torch.empty(self.world * slot_total, dtype=torch.float32, device=self.device)
         all_gather_single(gathered, packed, group=self.group)
         gathered = gathered.view(self.world, slot_total)
         stats.num_collectives += 1
@@ -239,7 +294,7 @@ class GatherExchange:
         for slot in self.slot_numel:
             offsets.append(offsets[-1] + slot)
         for m, layout in enumerate(self.layouts):
-            matrix = torch.empty(layout.shape, dtype=torch.float32)
+            matrix = torch.empty(layout.shape, dtype=torch.float32, device=self.device)
             for (start, stop), holders in layout.intervals():
                 numel = (stop - start) * layout.row_numel
                 data = gathered[holders[0], offsets[m] : offsets[m] + numel]

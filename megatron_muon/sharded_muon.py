@@ -308,30 +308,69 @@ class ShardedMuon(TensorParallelMuon):
                 count = inputs[p].shape[0]  # type: ignore[union-attr]
                 local = [next(results) for _ in range(count)]
                 shape = inputs[p].shape  # type: ignore[union-attr]
-                updates[p] = torch.stack(local) if local else torch.empty(shape)
+                updates[p] = (
+                    torch.stack(local) if local else torch.empty(shape, device=inputs[p].device)  # type: ignore[union-attr]
+                )
         stats = ExchangeStats()
+        buckets = []  # (active bucket positions, param positions, local rows), non-empty only
         for bucket in plan.buckets:
             active = tuple(m for m in bucket if inputs[plan.matrices[m]] is not None)
-            if not active:
-                continue
-            positions = [plan.matrices[m] for m in active]
-            local_rows = [inputs[p].float() for p in positions]  # type: ignore[union-attr]
-            if plan.dp_size == 1:
-                # Every rank holds every row: no exchange, NS on the local (full) matrices.
+            if active:
+                positions = [plan.matrices[m] for m in active]
+                buckets.append((active, positions, [inputs[p].float() for p in positions]))  # type: ignore[union-attr]
+        if plan.dp_size == 1:
+            # Every rank holds every row: no exchange, NS on the local (full) matrices.
+            for _active, positions, local_rows in buckets:
                 self._note_peak(local_rows)
-                results = self._orthogonalize_full(positions, local_rows)
-            elif self.mode == "owner":
-                results = self._owner_bucket(plan, active, positions, local_rows, stats)
-            else:
+                for p, rows in zip(
+                    positions, self._orthogonalize_full(positions, local_rows), strict=True
+                ):
+                    updates[p] = rows
+        elif self.mode == "gather":
+            for active, positions, local_rows in buckets:
                 results = self._gather_bucket(plan, active, positions, local_rows, stats)
-            for p, rows in zip(positions, results, strict=True):
-                updates[p] = rows
+                for p, rows in zip(positions, results, strict=True):
+                    updates[p] = rows
+        else:
+            self._owner_pipeline(plan, buckets, updates, stats)
         self.step_stats.bytes_sent += stats.bytes_sent
         self.step_stats.bytes_received += stats.bytes_received
         self.step_stats.num_collectives += stats.num_collectives
         return updates
 
-    def _owner_bucket(self, plan, active, positions, local_rows, stats) -> list[torch.Tensor]:
+    def _owner_pipeline(self, plan, buckets, updates, stats) -> None:
+        """Owner-compute over buckets, communication overlapped with NS.
+
+        While the owners orthogonalize bucket ``k``, bucket ``k + 1``'s shards are already on their
+        way (async all_to_all) and bucket ``k - 1``'s results on their way back, so at most two
+        buckets' full matrices are alive at once.
+        """
+        exchanges = [
+            self._owner_exchange(plan, active, positions, rows[0].device)
+            for active, positions, rows in buckets
+        ]
+        if not exchanges:
+            return
+        incoming = exchanges[0].start_gather_to_owners(buckets[0][2], stats)
+        outgoing = []
+        for k, exchange in enumerate(exchanges):
+            full = exchange.finish(incoming)
+            if k + 1 < len(exchanges):
+                incoming = exchanges[k + 1].start_gather_to_owners(buckets[k + 1][2], stats)
+            self._note_peak(full.values())
+            owned = sorted(full)
+            positions = buckets[k][1]
+            results = self._orthogonalize_full(
+                [positions[m] for m in owned], [full[m] for m in owned]
+            )
+            outgoing.append(
+                exchange.start_scatter_from_owners(dict(zip(owned, results, strict=True)), stats)
+            )
+        for k, (exchange, pending) in enumerate(zip(exchanges, outgoing, strict=True)):
+            for p, rows in zip(buckets[k][1], exchange.finish(pending), strict=True):
+                updates[p] = rows
+
+    def _owner_exchange(self, plan, active, positions, device) -> OwnerExchange:
         exchange = plan.exchanges.get(active)
         if exchange is None:
             exchange = OwnerExchange(
@@ -340,19 +379,19 @@ class ShardedMuon(TensorParallelMuon):
                 list(active),
                 dist.get_rank(self.dp_group),
                 self.dp_group,
+                device,
             )
             plan.exchanges[active] = exchange
-        full = exchange.gather_to_owners(local_rows, stats)
-        self._note_peak(full.values())
-        owned = sorted(full)
-        results = self._orthogonalize_full([positions[m] for m in owned], [full[m] for m in owned])
-        return exchange.scatter_from_owners(dict(zip(owned, results, strict=True)), stats)
+        return exchange
 
     def _gather_bucket(self, plan, active, positions, local_rows, stats) -> list[torch.Tensor]:
         exchange = plan.exchanges.get(active)
         if exchange is None:
             exchange = GatherExchange(
-                [plan.layouts[p] for p in positions], dist.get_rank(self.dp_group), self.dp_group
+                [plan.layouts[p] for p in positions],
+                dist.get_rank(self.dp_group),
+                self.dp_group,
+                local_rows[0].device,
             )
             plan.exchanges[active] = exchange
         full = exchange.gather(local_rows, stats)
