@@ -1,0 +1,799 @@
+"""Distributed checkpoints of model + optimizer under Megatron-FSDP (torch.distributed.checkpoint).
+
+Two functions for custom trainers::
+
+    save_checkpoint(path, model_chunks, optimizer, scheduler, iteration=it, extra={...})
+    loaded = load_checkpoint(path, model_chunks, optimizer, scheduler)  # loaded.iteration, .extra
+
+The layout is Megatron's ``fsdp_dtensor`` one: everything is keyed by parameter name, and every
+tensor that belongs to a parameter is stored as a DTensor with the parameter's **global** shape and
+placements (``Shard(0)`` by whole rows over the data-parallel mesh, or ``Replicate`` under
+``no_shard``):
+
+- ``model.<name>``: the main (optimizer) weights Megatron-FSDP hands the optimizer; persistent
+  buffers of the module as plain tensors;
+- ``optimizer.state.<name>.<key>``: ``momentum_buffer`` (Muon), ``exp_avg`` / ``exp_avg_sq`` /
+  ``step`` (Adam, AdamW);
+- ``optimizer.param_groups`` (hyperparameters, params by name), ``scheduler``, ``iteration``,
+  ``extra`` (written once, by rank 0) and ``rng.rank<r>`` (each rank's RNG states).
+
+Megatron-FSDP's row shards are uneven and often empty, while DTensor's own chunk metadata assumes
+``torch.chunk`` splits (REFERENCE.md section 3); megatron_fsdp's
+``preprocess_state_dict_for_uneven_dtensor`` attaches the true row offsets to each DTensor before
+DCP plans the save or the load, so each rank writes exactly its own rows (nothing for an empty
+shard) and a load at another data-parallel size or sharding strategy reads exactly the rows it
+holds: checkpoints reshard.
+
+Invariants this module keeps:
+
+- **Rank-symmetric state.** Every rank holds state for every param of its optimizers before a save
+  or a load (``ensure_optimizer_state``): DCP's planning and the uneven-DTensor preprocessing run
+  one collective per DTensor, so a state key missing on one rank (AdamW creates state lazily, and a
+  rank with 0 rows of a param never gets a grad) hangs or desynchronises them (REFERENCE.md
+  section 8). State is created without taking an optimizer step (a zero-grad step would apply
+  decoupled weight decay: the dummy-step hazard, section 5), and Adam's per-param ``step`` is set
+  to the real count, the maximum over the param's data-parallel mesh.
+- **Atomic saves.** DCP writes into ``<path>.incomplete``; once every rank has finished, rank 0
+  writes the completion marker ``megatron_muon_checkpoint.json`` (file list with sizes, param
+  shapes, optimizer kinds) and renames the directory to ``<path>``. An interrupted save leaves no
+  ``<path>``, and a directory without the marker or with a file missing never loads.
+- **Nothing half-loaded.** Before anything is read, every rank checks the marker, the files and the
+  compatibility of model and optimizer with the checkpoint; all ranks agree on the outcome (one
+  ``all_gather_object``) and raise the same error, naming what differs.
+
+Limits: one pipeline stage and expert-parallel size 1 (names are the model chunk's own parameter
+names, as Megatron's ``get_global_unique_param_name`` gives them when PP = EP = 1); RNG states are
+restored only when the data-parallel world size is unchanged (elsewhere there is no rank-to-rank
+correspondence, and ``LoadedCheckpoint.rng_restored`` is False).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "LoadedCheckpoint",
+    "SavedCheckpoint",
+    "ensure_optimizer_state",
+    "leaf_optimizers",
+    "load_checkpoint",
+    "named_optimizer_params",
+    "save_checkpoint",
+]
+
+FORMAT = "megatron_muon.fsdp_dtensor"
+FORMAT_VERSION = 1
+MARKER_NAME = "megatron_muon_checkpoint.json"
+INCOMPLETE_SUFFIX = ".incomplete"
+_MAX_LISTED_DIFFERENCES = 8
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; nothing was changed."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory is not a finished checkpoint: no completion marker, or a file is missing."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """Saved from a different model or optimizer; the message names what differs."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    """What ``save_checkpoint`` wrote: the directory, its total bytes, and wall seconds."""
+
+    path: str
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored besides model and optimizer state."""
+
+    iteration: int
+    extra: Any
+    saved_world_size: int
+    rng_restored: bool
+    seconds: float
+
+
+# --------------------------------------------------------------------------------------------------
+# what is checkpointed: named params, leaf optimizers and their state
+# --------------------------------------------------------------------------------------------------
+
+
+def _megatron_fsdp_classes() -> tuple[type, ...]:
+    """``MegatronFSDP`` from both copies of megatron_fsdp (REFERENCE.md section 1)."""
+    classes: list[type] = []
+    try:
+        from megatron_fsdp import MegatronFSDP
+
+        classes.append(MegatronFSDP)
+    except ImportError:
+        pass
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import MegatronFSDP as CoreFSDP
+
+        classes.append(CoreFSDP)
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+def _megatron_fsdp_module(chunk: nn.Module) -> nn.Module | None:
+    """The ``MegatronFSDP`` inside ``chunk`` (itself, or megatron-core's wrapper's ``.module``)."""
+    fsdp_classes = _megatron_fsdp_classes()
+    if isinstance(chunk, fsdp_classes):
+        return chunk
+    try:
+        from megatron.core.distributed import FullyShardedDataParallel
+    except ImportError:
+        return None
+    if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, fsdp_classes):
+        return chunk.module
+    return None
+
+
+def _as_chunks(model_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(model_chunks, nn.Module):
+        return [model_chunks]
+    chunks = list(model_chunks)
+    if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+        raise ValueError("model_chunks must be an nn.Module or a non-empty list of nn.Modules")
+    return chunks
+
+
+def named_optimizer_params(
+    model_chunks: nn.Module | Sequence[nn.Module],
+) -> list[tuple[str, torch.Tensor]]:
+    """(name, param) of the params an optimizer of these chunks holds, in module order.
+
+    For a Megatron-FSDP chunk these are the DTensor main weights (``Shard(0)`` or ``Replicate`` on
+    the data-parallel mesh, global shape), named as in the unwrapped module
+    (``decoder.layers.0...``); the wrapper swaps other tensors into the module during forward and
+    backward, so the names come from ``param_and_grad_buffer.optimizer_named_parameters``. For any
+    other module: ``named_parameters()``. With several chunks, names get a ``chunk<i>.`` prefix.
+    """
+    chunks = _as_chunks(model_chunks)
+    named: list[tuple[str, torch.Tensor]] = []
+    for index, chunk in enumerate(chunks):
+        prefix = f"chunk{index}." if len(chunks) > 1 else ""
+        fsdp = _megatron_fsdp_module(chunk)
+        if fsdp is not None:
+            pairs = list(fsdp.param_and_grad_buffer.optimizer_named_parameters)
+        else:
+            pairs = list(chunk.named_parameters())
+        named.extend((prefix + name, param) for name, param in pairs)
+    return named
+
+
+def _named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Persistent buffers: ``state_dict`` entries that are neither params nor extra state."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for index, chunk in enumerate(chunks):
+        prefix = f"chunk{index}." if len(chunks) > 1 else ""
+        fsdp = _megatron_fsdp_module(chunk)
+        module = fsdp.module if fsdp is not None else chunk
+        params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+        for name, value in module.state_dict(keep_vars=True).items():
+            if name in params or name.endswith("_extra_state") or not torch.is_tensor(value):
+                continue
+            if isinstance(value, nn.Parameter):
+                continue
+            named.append((prefix + name, value))
+    return named
+
+
+def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` objects holding the state, in order.
+
+    Accepts a torch optimizer, a list/tuple of them, megatron-core's ``ChainedOptimizer`` and any
+    ``MegatronOptimizer`` wrapper (``FP32Optimizer`` ...), and wrappers that expose the optimizer
+    they drive as ``.optimizer`` (the FSDP step wrapper).
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)):
+        return [leaf for child in optimizer for leaf in leaf_optimizers(child)]
+    try:
+        from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        ChainedOptimizer = MegatronOptimizer = ()  # type: ignore[assignment,misc]
+    if isinstance(optimizer, ChainedOptimizer):
+        return [leaf for child in optimizer.chained_optimizers for leaf in leaf_optimizers(child)]
+    if isinstance(optimizer, MegatronOptimizer) or isinstance(
+        getattr(optimizer, "optimizer", None), (torch.optim.Optimizer, list, tuple)
+    ):
+        return leaf_optimizers(optimizer.optimizer)
+    raise TypeError(
+        f"cannot find the torch optimizers inside {type(optimizer).__name__}: pass a "
+        "torch.optim.Optimizer, a list of them, or a megatron-core (Chained)MegatronOptimizer"
+    )
+
+
+def _orthogonalized_class() -> type:
+    from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+
+    return OrthogonalizedOptimizer
+
+
+def _expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
+    """State keys every param of ``group`` holds once the optimizer has state for it."""
+    if isinstance(optimizer, _orthogonalized_class()):
+        return ("momentum_buffer",)
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        keys = ("step", "exp_avg", "exp_avg_sq")
+        return (*keys, "max_exp_avg_sq") if group.get("amsgrad", False) else keys
+    raise TypeError(
+        f"checkpointing does not know how {type(optimizer).__name__} creates its state without a "
+        "step; supported: Muon (emerging_optimizers OrthogonalizedOptimizer, ShardedMuon), "
+        "torch.optim.Adam, torch.optim.AdamW"
+    )
+
+
+@torch.no_grad()
+def _create_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
+    """The state ``optimizer`` creates lazily on its first step, created now (zeros, step 0)."""
+    state = optimizer.state[param]
+    if isinstance(optimizer, _orthogonalized_class()):
+        state["momentum_buffer"] = torch.zeros_like(param.data)
+        return
+    # torch.optim.Adam._init_group, without taking a step (REFERENCE.md section 5).
+    if group["capturable"] or group["fused"]:
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.zeros((), dtype=dtype, device=param.device)
+    else:
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.tensor(0.0, dtype=dtype, device="cpu")
+    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _param_process_groups(param: torch.Tensor) -> list[dist.ProcessGroup]:
+    """The groups of the param's mesh dims (data-parallel replicas, shards); none if plain."""
+    if not isinstance(param, DTensor):
+        return []
+    mesh = param.device_mesh
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+
+
+@torch.no_grad()
+def ensure_optimizer_state(optimizer: Any) -> None:
+    """Creates the missing state of every param of every leaf optimizer, without stepping.
+
+    Collective: every rank of each param's data-parallel mesh must call it. Adam's per-param
+    ``step`` (a plain 0-d tensor, replicated) is then set to its maximum over the param's mesh: the
+    ranks holding rows of the param all stepped it, while a rank with 0 rows (``grad is None``)
+    never did. Momentum and moments are DTensors like their param (global shape, placements).
+    """
+    stepped: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    mesh_groups: dict[tuple[int, ...], list[dist.ProcessGroup]] = {}
+    for leaf in leaf_optimizers(optimizer):
+        for group in leaf.param_groups:
+            keys = _expected_state_keys(leaf, group)
+            for param in group["params"]:
+                state = leaf.state[param]
+                if not state:
+                    _create_state(leaf, group, param)
+                missing = [k for k in keys if k not in state]
+                if missing:
+                    raise RuntimeError(
+                        f"{type(leaf).__name__} holds partial state for a param of shape "
+                        f"{tuple(param.shape)}: {sorted(state)} lacks {missing}"
+                    )
+                groups = _param_process_groups(param)
+                if "step" in state and groups:
+                    key = tuple(id(g) for g in groups)
+                    mesh_groups[key] = groups
+                    stepped.setdefault(key, []).append(state["step"])
+    # One all_reduce per mesh dim of each distinct mesh, in first-appearance order (the same on
+    # every rank of the mesh: Megatron-FSDP gives every rank the same params in the same order).
+    for key, steps in stepped.items():
+        values = torch.stack([s.detach().to("cpu", torch.float64) for s in steps])
+        for group in mesh_groups[key]:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        for step, value in zip(steps, values.tolist(), strict=True):
+            step.fill_(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# the state dict DCP sees, and the manifest (completion marker)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Inventory:
+    """Everything checkpointed, by name, in the same order on every rank."""
+
+    params: list[tuple[str, torch.Tensor]]
+    buffers: list[tuple[str, torch.Tensor]]
+    leaves: list[torch.optim.Optimizer]
+    param_owner: dict[str, tuple[torch.optim.Optimizer, dict]]  # name -> (leaf, group)
+    group_names: list[list[list[str]]]  # per leaf, per group: param names
+
+
+def _inventory(model_chunks: Any, optimizer: Any) -> _Inventory:
+    chunks = _as_chunks(model_chunks)
+    params = named_optimizer_params(chunks)
+    name_of = {id(p): n for n, p in params}
+    leaves = leaf_optimizers(optimizer)
+    owner: dict[str, tuple[torch.optim.Optimizer, dict]] = {}
+    group_names: list[list[list[str]]] = []
+    for index, leaf in enumerate(leaves):
+        per_group = []
+        for group_index, group in enumerate(leaf.param_groups):
+            names = []
+            for param in group["params"]:
+                name = name_of.get(id(param))
+                if name is None:
+                    raise ValueError(
+                        f"optimizer {index} ({type(leaf).__name__}) group {group_index} holds a "
+                        f"param of shape {tuple(param.shape)} that is not a param of model_chunks "
+                        "(build the optimizer from the wrapped model's parameters)"
+                    )
+                if name in owner:
+                    raise ValueError(f"param {name} is held by two optimizers or groups")
+                owner[name] = (leaf, group)
+                names.append(name)
+            per_group.append(names)
+        group_names.append(per_group)
+    return _Inventory(params, _named_buffers(chunks), leaves, owner, group_names)
+
+
+def _state_dict(inventory: _Inventory) -> dict[str, Any]:
+    """The nested dict DCP saves, or loads in place: the live params, buffers and state tensors."""
+    model = dict(inventory.params)
+    model.update(dict(inventory.buffers))
+    state = {
+        name: dict(inventory.param_owner[name][0].state[param])
+        for name, param in inventory.params
+        if name in inventory.param_owner
+    }
+    return {"model": model, "optimizer": {"state": state}}
+
+
+def _describe(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+def _manifest_body(inventory: _Inventory, iteration: int, has_scheduler: bool) -> dict[str, Any]:
+    params = {}
+    for name, param in inventory.params:
+        entry = _describe(param)
+        if name in inventory.param_owner:
+            leaf, group = inventory.param_owner[name]
+            entry["optimizer"] = type(leaf).__name__
+            entry["state"] = list(_expected_state_keys(leaf, group))
+        params[name] = entry
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "iteration": iteration,
+        "world_size": dist.get_world_size(),
+        "params": params,
+        "buffers": {name: _describe(buffer) for name, buffer in inventory.buffers},
+        "optimizers": [
+            {"class": type(leaf).__name__, "groups": names}
+            for leaf, names in zip(inventory.leaves, inventory.group_names, strict=True)
+        ],
+        "has_scheduler": has_scheduler,
+    }
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any], scheduler: Any) -> list[str]:
+    """What differs between a checkpoint's manifest and this run's model/optimizer, in words."""
+    differences: list[str] = []
+    saved_params, current_params = saved["params"], current["params"]
+    only_saved = [n for n in saved_params if n not in current_params]
+    only_current = [n for n in current_params if n not in saved_params]
+    if only_saved:
+        differences.append(f"params in the checkpoint but not in this model: {only_saved[:8]}")
+    if only_current:
+        differences.append(f"params in this model but not in the checkpoint: {only_current[:8]}")
+    for name, mine in current_params.items():
+        theirs = saved_params.get(name)
+        if theirs is None:
+            continue
+        if theirs["shape"] != mine["shape"]:
+            differences.append(
+                f"param {name}: shape {tuple(theirs['shape'])} in the checkpoint, "
+                f"{tuple(mine['shape'])} in this model"
+            )
+        elif theirs["dtype"] != mine["dtype"]:
+            differences.append(
+                f"param {name}: dtype {theirs['dtype']} in the checkpoint, {mine['dtype']} here"
+            )
+        if theirs.get("state") != mine.get("state"):
+            differences.append(
+                f"param {name}: the checkpoint holds {theirs.get('optimizer')} state "
+                f"{theirs.get('state')}, this run's optimizer for it is {mine.get('optimizer')} "
+                f"with state {mine.get('state')}"
+            )
+    for name, mine in current["buffers"].items():
+        theirs = saved["buffers"].get(name)
+        if theirs is None:
+            differences.append(f"buffer {name} is not in the checkpoint")
+        elif theirs != mine:
+            differences.append(f"buffer {name}: {theirs} in the checkpoint, {mine} here")
+    saved_groups = [o["groups"] for o in saved["optimizers"]]
+    current_groups = [o["groups"] for o in current["optimizers"]]
+    if not differences and saved_groups != current_groups:
+        differences.append(
+            "param groups differ: the checkpoint has "
+            f"{[(o['class'], [len(g) for g in o['groups']]) for o in saved['optimizers']]} "
+            "(optimizer, params per group), this run has "
+            f"{[(o['class'], [len(g) for g in o['groups']]) for o in current['optimizers']]}"
+        )
+    if scheduler is not None and not saved.get("has_scheduler", False):
+        differences.append("a scheduler was passed but the checkpoint holds no scheduler state")
+    return differences
+
+
+# --------------------------------------------------------------------------------------------------
+# small objects (scheduler, param groups, RNG, extra), pickled to bytes so DCP stores them whole
+# --------------------------------------------------------------------------------------------------
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _param_groups_by_name(inventory: _Inventory) -> list[list[dict[str, Any]]]:
+    return [
+        [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+            for group, names in zip(leaf.param_groups, leaf_names, strict=True)
+        ]
+        for leaf, leaf_names in zip(inventory.leaves, inventory.group_names, strict=True)
+    ]
+
+
+def _restore_param_groups(inventory: _Inventory, saved: list[list[dict[str, Any]]]) -> None:
+    """Hyperparameters (lr, momentum, betas, weight decay, ...) back into the live groups."""
+    for leaf, saved_groups in zip(inventory.leaves, saved, strict=True):
+        for group, saved_group in zip(leaf.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+
+
+def _rng_tracker() -> Any:
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    except ImportError:  # pragma: no cover
+        return None
+    tracker = get_cuda_rng_tracker()
+    return tracker if tracker.is_initialized() else None
+
+
+def _capture_rng() -> dict[str, Any]:
+    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if in use), Megatron's tracker."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = _rng_tracker()
+    if tracker is not None:
+        state["megatron_tracker"] = tracker.get_states()
+    return state
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = _rng_tracker()
+    if "megatron_tracker" in state and tracker is not None:
+        tracker.set_states(state["megatron_tracker"])
+
+
+# --------------------------------------------------------------------------------------------------
+# collective agreement, files, weights install
+# --------------------------------------------------------------------------------------------------
+
+
+def _agree(error: BaseException | None) -> None:
+    """All ranks learn whether any rank failed; all raise the lowest failing rank's error."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    payload = None if error is None else (type(error), str(error))
+    dist.all_gather_object(errors, payload)
+    for rank, item in enumerate(errors):
+        if item is not None:
+            kind, message = item
+            if error is not None and rank == dist.get_rank():
+                raise error
+            suffix = "" if dist.get_world_size() == 1 else f" (reported by rank {rank})"
+            raise kind(message + suffix)
+
+
+def _directory_files(path: str) -> dict[str, int]:
+    return {
+        name: os.path.getsize(os.path.join(path, name))
+        for name in sorted(os.listdir(path))
+        if os.path.isfile(os.path.join(path, name))
+    }
+
+
+def _fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _publish(temporary: str, path: str, manifest: dict[str, Any], overwrite: bool) -> None:
+    """Rank 0: writes the completion marker into ``temporary``, then renames it to ``path``."""
+    manifest = {**manifest, "files": _directory_files(temporary)}
+    marker = os.path.join(temporary, MARKER_NAME)
+    with open(marker, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _fsync_directory(temporary)
+    previous = None
+    if os.path.exists(path):
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {path} appeared during the save; not replacing it")
+        previous = path + ".replaced"
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(path, previous)
+    os.rename(temporary, path)
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def _read_marker(path: str) -> dict[str, Any]:
+    """This rank's view of checkpoint ``path``: its manifest, or the error naming what is wrong."""
+    if not os.path.isdir(path):
+        hint = ""
+        if os.path.isdir(path + INCOMPLETE_SUFFIX):
+            hint = f" ({path + INCOMPLETE_SUFFIX} exists: a save that did not finish)"
+        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{hint}")
+    marker = os.path.join(path, MARKER_NAME)
+    if not os.path.isfile(marker):
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete: no completion marker {MARKER_NAME} (the save was "
+            "interrupted, or this is not a megatron_muon checkpoint)"
+        )
+    with open(marker) as handle:
+        manifest = json.load(handle)
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} has format {manifest.get('format')} version "
+            f"{manifest.get('version')}; this reader expects {FORMAT} version {FORMAT_VERSION}"
+        )
+    for name, size in manifest["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if os.path.getsize(file) != size:
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: {name} has {os.path.getsize(file)} bytes, "
+                f"{size} were written"
+            )
+    return manifest
+
+
+def _install_model_weights(chunks: list[nn.Module]) -> None:
+    """Copies the (loaded) main weights into Megatron-FSDP's compute weights, as after a step."""
+    for chunk in chunks:
+        fsdp = _megatron_fsdp_module(chunk)
+        if fsdp is not None:
+            fsdp.install_optimized_model_weights()
+
+
+def _preprocess_uneven(state_dict: dict[str, Any]) -> None:
+    """Attaches each DTensor's true row offsets (one all_gather_object per DTensor, key order)."""
+    from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+
+    preprocess_state_dict_for_uneven_dtensor(state_dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# the two public functions
+# --------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Any,
+    scheduler: Any = None,
+    *,
+    iteration: int,
+    extra: Any = None,
+    overwrite: bool = False,
+) -> SavedCheckpoint:
+    """Saves model, optimizer, scheduler, iteration, RNG and ``extra`` to directory ``path``.
+
+    Collective over the default process group: every rank calls it with its own shards. Each rank
+    writes only the rows it holds (``__<rank>_0.distcp``); the completion marker and the rename to
+    ``path`` happen after all ranks finished, so an interrupted save leaves only
+    ``<path>.incomplete``, which never loads.
+
+    Args:
+        path: checkpoint directory to create (its parent must exist or be creatable).
+        model_chunks: the Megatron-FSDP-wrapped model (``MegatronFSDP`` or megatron-core's
+            ``FullyShardedDataParallel``), a list of chunks, or a plain module.
+        optimizer: a torch optimizer (ShardedMuon, AdamW, ...), a list of them, or a megatron-core
+            ``ChainedOptimizer`` / ``MegatronOptimizer`` over them.
+        scheduler: anything with ``state_dict()`` / ``load_state_dict()`` (torch LR scheduler,
+            Megatron's ``OptimizerParamScheduler``), or None.
+        iteration: the training iteration the checkpoint resumes after.
+        extra: any picklable object (data loader position, config, ...), rank 0's copy is kept.
+        overwrite: replace an existing checkpoint at ``path`` (after the new one is complete).
+
+    Returns:
+        The directory, its size in bytes and the seconds the save took.
+    """
+    start = time.perf_counter()
+    path = os.fspath(path)
+    temporary = path + INCOMPLETE_SUFFIX
+    chunks = _as_chunks(model_chunks)
+    inventory = _inventory(chunks, optimizer)
+    rank = dist.get_rank()
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            if os.path.exists(path) and not overwrite:
+                raise FileExistsError(f"checkpoint {path} exists (pass overwrite=True to replace)")
+            shutil.rmtree(temporary, ignore_errors=True)  # a previous save that did not finish
+            os.makedirs(temporary)
+        except OSError as caught:
+            error = caught
+    _agree(error)
+
+    ensure_optimizer_state(inventory.leaves)
+    common: dict[str, Any] = {f"rng.rank{rank}": _to_bytes(_capture_rng())}
+    if rank == 0:
+        # Written once: identical on every rank (DCP would keep an arbitrary rank's copy).
+        common["iteration"] = _to_bytes(int(iteration))
+        common["extra"] = _to_bytes(extra)
+        common["scheduler"] = _to_bytes(None if scheduler is None else scheduler.state_dict())
+        common["param_groups"] = _to_bytes(_param_groups_by_name(inventory))
+    state_dict = _state_dict(inventory)
+    state_dict["common"] = common
+    _preprocess_uneven(state_dict)
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(temporary))
+
+    error = None
+    num_bytes = 0
+    if rank == 0:
+        try:
+            manifest = _manifest_body(inventory, int(iteration), scheduler is not None)
+            _publish(temporary, path, manifest, overwrite)
+            num_bytes = sum(_directory_files(path).values())
+        except OSError as caught:
+            error = caught
+    _agree(error)
+    return SavedCheckpoint(path=path, num_bytes=num_bytes, seconds=time.perf_counter() - start)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model_chunks: nn.Module | Sequence[nn.Module],
+    optimizer: Any,
+    scheduler: Any = None,
+    *,
+    load_rng: bool = True,
+) -> LoadedCheckpoint:
+    """Loads a checkpoint of ``save_checkpoint`` into the live model and optimizer, in place.
+
+    Collective over the default process group. Works at any data-parallel size and sharding
+    strategy: each rank reads exactly the rows it holds now. Checks first, on every rank, that the
+    checkpoint is complete and matches the model (param names, shapes, dtypes) and the optimizer
+    (which state each param holds, param groups); on any difference every rank raises the same
+    ``CheckpointError`` and nothing is changed. Afterwards the main weights are installed into
+    Megatron-FSDP's compute weights (as after an optimizer step), param-group hyperparameters and
+    the scheduler are restored, and, when the world size is unchanged and ``load_rng``, the RNGs.
+
+    Returns:
+        The saved iteration and ``extra``, the world size at save time, whether RNGs were restored.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist.
+        IncompleteCheckpointError: no completion marker, or a rank's file is missing or truncated.
+        CheckpointMismatchError: saved from a different model or optimizer (the message names it).
+    """
+    start = time.perf_counter()
+    path = os.fspath(path)
+    chunks = _as_chunks(model_chunks)
+    inventory = _inventory(chunks, optimizer)
+    error: BaseException | None = None
+    manifest: dict[str, Any] = {}
+    try:
+        manifest = _read_marker(path)
+        current = _manifest_body(inventory, 0, scheduler is not None)
+        differences = _differences(manifest, current, scheduler)
+        if differences:
+            listed = differences[:_MAX_LISTED_DIFFERENCES]
+            more = len(differences) - len(listed)
+            raise CheckpointMismatchError(
+                f"checkpoint {path} does not match this model/optimizer:\n  "
+                + "\n  ".join(listed)
+                + (f"\n  ... and {more} more" if more > 0 else "")
+            )
+    except (CheckpointError, OSError, ValueError, KeyError) as caught:
+        error = caught
+    _agree(error)
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    restore_rng = load_rng and manifest["world_size"] == world_size
+    if load_rng and not restore_rng and rank == 0:
+        warnings.warn(
+            f"checkpoint {path} was saved by {manifest['world_size']} ranks, this run has "
+            f"{world_size}: RNG states are not restored",
+            stacklevel=2,
+        )
+    ensure_optimizer_state(inventory.leaves)
+    common: dict[str, Any] = {
+        "iteration": b"",
+        "extra": b"",
+        "scheduler": b"",
+        "param_groups": b"",
+    }
+    if restore_rng:
+        common[f"rng.rank{rank}"] = b""
+    state_dict = _state_dict(inventory)
+    state_dict["common"] = common
+    _preprocess_uneven(state_dict)
+    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+
+    loaded = {key: _from_bytes(value) for key, value in state_dict["common"].items()}
+    _restore_param_groups(inventory, loaded["param_groups"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if restore_rng:
+        _restore_rng(loaded[f"rng.rank{rank}"])
+    _install_model_weights(chunks)
+    return LoadedCheckpoint(
+        iteration=loaded["iteration"],
+        extra=loaded["extra"],
+        saved_world_size=manifest["world_size"],
+        rng_restored=restore_rng,
+        seconds=time.perf_counter() - start,
+    )

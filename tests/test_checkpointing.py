@@ -1,0 +1,203 @@
+"""Distributed checkpoints under Megatron-FSDP: exact resume, resharding, atomicity, clear errors.
+
+The model is ``ToyMLP`` wrapped by ``megatron_fsdp.fully_shard_model`` (uneven row shards, empty at
+3 ranks under ``optim``); its matrices train with ``ShardedMuon`` and its biases with torch
+``AdamW``, with a small warm-up scheduler over both. Each ``run_on_ranks`` launch is a fresh set of
+processes, so a load never sees state left by the save.
+
+- Resume (same DP size, every sharding strategy): train k steps, save, train n more; fresh ranks
+  load and train n more: params and optimizer state are **bitwise** equal to the uninterrupted run
+  (with a rank-specific random draw each step, so RNG restore is checked too).
+- Reshard (saved at DP=2, loaded at DP=1 and DP=3 under other strategies): params, Muon momentum
+  and AdamW moments gathered to full tensors are bitwise the saved ones; the next step equals the
+  never-resharded DP=2 run within 1e-6 relative (the grads' all-reduce order differs with DP size).
+- Error cases: every rank raises the same error naming what is wrong, and nothing is changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import RankFailure, run_on_ranks
+from tests.test_sharded_muon import MUON_KWARGS
+
+GLOBAL_BATCH = 12  # divisible by every DP size used here
+DIM = 16
+RESHARD_TOLERANCE = 1e-6
+
+
+class WarmupScheduler:
+    """lr = base_lr * min(1, (t + 1) / warmup) on every group of the given optimizers."""
+
+    def __init__(self, optimizers, warmup: int = 4) -> None:
+        self.groups = [g for o in optimizers for g in o.param_groups]
+        self.base_lrs = [g["lr"] for g in self.groups]
+        self.warmup = warmup
+        self.num_steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = min(1.0, (self.num_steps + 1) / self.warmup)
+        for group, base in zip(self.groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"base_lrs": list(self.base_lrs), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.base_lrs = list(state["base_lrs"])
+        self.num_steps = state["num_steps"]
+        self._apply()
+
+
+def _build(world_size: int, strategy: str, seed: int = 0, hidden: int = 48, all_adam: bool = False):
+    """Wrapped ToyMLP, [ShardedMuon, AdamW] with state for every param, and a scheduler."""
+    from megatron_muon import ShardedMuon
+    from megatron_muon.checkpointing import ensure_optimizer_state, named_optimizer_params
+    from tests.fsdp_models import ToyMLP, fully_shard_toy
+
+    torch.manual_seed(seed)
+    wrapped = fully_shard_toy(ToyMLP(dim=DIM, hidden=hidden), world_size, strategy)
+    named = named_optimizer_params(wrapped)
+    matrices = [p for _, p in named if p.ndim == 2 and not all_adam]
+    others = [p for _, p in named if p.ndim != 2 or all_adam]
+    optimizers = [torch.optim.AdamW(others, lr=1e-2, weight_decay=0.1)]
+    if matrices:
+        optimizers.insert(0, ShardedMuon(matrices, **MUON_KWARGS))
+    ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
+    return wrapped, optimizers, WarmupScheduler(optimizers)
+
+
+def _train(wrapped, optimizers, scheduler, rank, world_size, steps, first_step, noise) -> None:
+    per_rank = GLOBAL_BATCH // world_size
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    for step in range(first_step, first_step + steps):
+        generator = torch.Generator().manual_seed(step)
+        inputs = torch.randn(GLOBAL_BATCH, DIM, generator=generator)[mine]
+        targets = torch.randn(GLOBAL_BATCH, DIM, generator=generator)[mine]
+        if noise:  # draws from this rank's global RNG: differs unless the RNG state is restored
+            inputs = inputs + 0.1 * torch.randn_like(inputs)
+        wrapped.zero_grad_buffer()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        torch.nn.functional.mse_loss(wrapped(inputs), targets).backward()
+        wrapped.finish_grad_sync()
+        for optimizer in optimizers:
+            optimizer.step()
+        wrapped.install_optimized_model_weights()
+        scheduler.step()
+
+
+def _local_snapshot(wrapped, optimizers) -> dict:
+    """This rank's params and optimizer state by name (local shards), and the group lrs."""
+    from megatron_muon.checkpointing import named_optimizer_params
+    from megatron_muon.layout import local_tensor
+
+    named = named_optimizer_params(wrapped)
+    state = {}
+    for name, param in named:
+        for optimizer in optimizers:
+            if param in optimizer.state:
+                state[name] = {
+                    k: local_tensor(v).detach().clone() for k, v in optimizer.state[param].items()
+                }
+    return {
+        "params": {n: local_tensor(p).detach().clone() for n, p in named},
+        "state": state,
+        "lrs": [g["lr"] for o in optimizers for g in o.param_groups],
+    }
+
+
+def _full_snapshot(wrapped, optimizers) -> dict:
+    """Params and optimizer state gathered to full tensors (true uneven row layouts)."""
+    from megatron_muon.checkpointing import named_optimizer_params
+    from megatron_muon.layout import gather_row_layouts, local_tensor
+
+    named = named_optimizer_params(wrapped)
+    layouts = gather_row_layouts([p for _, p in named], None)
+
+    def full(tensor: torch.Tensor, layout) -> torch.Tensor:
+        if tensor.ndim == 0:
+            return tensor.detach().clone()
+        pieces: list = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, local_tensor(tensor).detach().clone())
+        result = torch.empty(layout.shape, dtype=tensor.dtype)
+        for (start, stop), piece in zip(layout.ranges, pieces, strict=True):
+            result[start:stop] = piece
+        return result
+
+    params, state = {}, {}
+    for (name, param), layout in zip(named, layouts, strict=True):
+        params[name] = full(param, layout)
+        for optimizer in optimizers:
+            if param in optimizer.state:
+                state[name] = {k: full(v, layout) for k, v in optimizer.state[param].items()}
+    layout_rows = {n: layout.ranges for (n, _), layout in zip(named, layouts, strict=True)}
+    return {"params": params, "state": state, "layouts": layout_rows}
+
+
+# --------------------------------------------------------------------------------------------------
+# exact resume at the same DP size
+# --------------------------------------------------------------------------------------------------
+
+
+def _train_save_train(rank, world_size, strategy, path, k, n) -> dict:
+    from megatron_muon.checkpointing import save_checkpoint
+
+    wrapped, optimizers, scheduler = _build(world_size, strategy)
+    _train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=True)
+    saved = save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k, extra={"tokens": 7})
+    _train(wrapped, optimizers, scheduler, rank, world_size, n, k, noise=True)
+    return {"snapshot": _local_snapshot(wrapped, optimizers), "num_bytes": saved.num_bytes}
+
+
+def _load_train(rank, world_size, strategy, path, n) -> dict:
+    from megatron_muon.checkpointing import load_checkpoint
+
+    # A different init seed: everything that matters must come from the checkpoint.
+    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123)
+    loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
+    _train(wrapped, optimizers, scheduler, rank, world_size, n, loaded.iteration, noise=True)
+    return {
+        "snapshot": _local_snapshot(wrapped, optimizers),
+        "iteration": loaded.iteration,
+        "extra": loaded.extra,
+        "rng_restored": loaded.rng_restored,
+    }
+
+
+def _assert_bitwise_equal(expected: dict, actual: dict, where: str) -> None:
+    assert expected["lrs"] == actual["lrs"], where
+    for name, tensor in expected["params"].items():
+        assert torch.equal(tensor, actual["params"][name]), f"{where}: param {name}"
+    for name, state in expected["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, actual["state"][name][key]), f"{where}: {name}.{key}"
+
+
+@pytest.mark.parametrize(
+    "strategy,world_size",
+    [("no_shard", 2), ("optim", 2), ("optim_grads", 2), ("optim_grads_params", 2), ("optim", 3)],
+)
+def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(
+    strategy, world_size, tmp_path
+):
+    path = str(tmp_path / "ckpt")
+    k, n = 2, 2
+    uninterrupted = run_on_ranks(_train_save_train, world_size, strategy, path, k, n)
+    resumed = run_on_ranks(_load_train, world_size, strategy, path, n)
+    for rank in range(world_size):
+        assert resumed[rank]["iteration"] == k
+        assert resumed[rank]["extra"] == {"tokens": 7}
+        assert resumed[rank]["rng_restored"]
+        _assert_bitwise_equal(
+            uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
+        )
