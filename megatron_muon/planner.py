@@ -105,17 +105,21 @@ def plan_split_owners(
     num_ns_steps: int,
     *,
     max_split: int = 16,
-    tolerance: float = 1.02,
-    num_targets: int = 24,
+    tolerance: float = 1.05,
+    slack: float = 0.01,
+    num_targets: int = 12,
 ) -> OwnerPlan:
     """``plan_owners``, splitting the largest matrices' NS over small aligned blocks where it helps.
 
     Starts from ``plan_owners``; if its max/mean load exceeds ``tolerance``, tries target per-rank
-    loads ``T`` between the lower bound and the unsplit makespan: each splittable matrix gets the
-    smallest power-of-two block (at most ``max_split`` and ``group_size``) whose per-rank share is
-    at most ``T``; then largest share first, each matrix goes onto the least-loaded rank (block
-    size 1) or the aligned block with the smallest maximum load. The plan with the smallest
-    makespan wins; a plan with more splitting must beat one with less by 0.1 %.
+    loads ``T`` between the lower bound and the unsplit makespan, each with a granularity ``d`` in
+    1, 2, 3: each splittable matrix gets the smallest power-of-two block (at most ``max_split``
+    and ``group_size``) whose per-rank share is at most ``T / d`` (``d > 1`` cuts matrices that
+    fit ``T`` but would pair badly, e.g. 70 matrices of 0.7 T on 64 ranks); then largest share
+    first, each matrix goes onto the least-loaded rank (block size 1) or the aligned block with
+    the smallest maximum load. Of the plans whose makespan is within ``slack`` of the smallest, the
+    one that splits least wins (least ``sum (g - 1) k^2`` over split pieces: the split NS
+    collectives' volume), ties to the earlier tried.
 
     Args:
         costs: NS cost of each matrix (``ns_flops``; a QKV-split param: the sum of its pieces).
@@ -127,7 +131,8 @@ def plan_split_owners(
         num_ns_steps: NS iterations (the split cost model, ``split_ns_flops``).
         max_split: largest block of ranks one matrix may be split over (a power of two).
         tolerance: max/mean load under which the unsplit plan is kept as is.
-        num_targets: how many target loads to try (planning time grows linearly with it).
+        slack: relative makespan a plan may give up for less splitting.
+        num_targets: target loads tried per granularity (planning time grows linearly with it).
 
     Returns:
         The plan; identical on every rank given identical arguments.
@@ -138,6 +143,10 @@ def plan_split_owners(
         raise ValueError(f"max_split must be a power of two, got {max_split}")
     if tolerance < 1.0:
         raise ValueError(f"tolerance must be at least 1.0, got {tolerance}")
+    if slack < 0.0:
+        raise ValueError(f"slack must be non-negative, got {slack}")
+    if num_targets < 1:
+        raise ValueError(f"num_targets must be at least 1, got {num_targets}")
     best = plan_owners(costs, group_size)
     sizes = [g for g in (2**e for e in range(1, 31)) if g <= min(max_split, group_size)]
     splittable = [
@@ -148,61 +157,74 @@ def plan_split_owners(
     if not sizes or not splittable or best.max_over_mean <= tolerance:
         return best
 
-    # Per-rank share of each splittable matrix for each block size (index 0: unsplit).
-    shares: dict[int, list[np.ndarray]] = {}
+    # Per-rank shares of each splittable matrix for each block size (index 0: unsplit).
+    table: dict[tuple[tuple[int, int], ...], list[tuple[int, ...]]] = {}
+    shares: dict[int, list[tuple[int, ...]]] = {}
     for i in splittable:
-        pieces = split_pieces[i]
-        assert pieces is not None
-        shares[i] = [np.array([costs[i]], dtype=np.int64)] + [
-            np.array([split_pieces_flops(pieces, num_ns_steps, g, j) for j in range(g)], np.int64)
-            for g in sizes
-        ]
+        key = tuple(tuple(piece) for piece in split_pieces[i])  # type: ignore[union-attr]
+        if key not in table:
+            table[key] = [(costs[i],)] + [
+                tuple(split_pieces_flops(key, num_ns_steps, g, j) for j in range(g)) for g in sizes
+            ]
+        shares[i] = table[key]
     lower = max(
         sum(costs) / group_size,
-        max(int(s[-1].max()) for s in shares.values()),
+        max(max(s[-1]) for s in shares.values()),
         max((c for i, c in enumerate(costs) if i not in shares), default=0),
     )
-    best_makespan = max(best.loads)
-    if lower >= best_makespan:
+    unsplit_makespan = max(best.loads)
+    if lower >= unsplit_makespan:
         return best
-    # From the least splitting (targets near the unsplit makespan) down to the lower bound.
-    for step in range(num_targets, -1, -1):
-        target = lower * (best_makespan / lower) ** (step / num_targets)
-        choice = {}
-        for i in splittable:
-            fits = [k for k, share in enumerate(shares[i]) if share.max() <= target]
-            choice[i] = fits[0] if fits else len(sizes)
-        plan = _gang_schedule(costs, group_size, shares, choice, sizes)
-        if max(plan.loads) < max(best.loads) * (1 - 1e-3):
-            best = plan
-    return best
+    volume = {
+        i: sum(min(piece) ** 2 for piece in split_pieces[i])  # type: ignore[union-attr]
+        for i in splittable
+    }
+    candidates = [(best, 0)]
+    for granularity in (1, 2, 3):
+        # From the least splitting (targets near the unsplit makespan) down to the lower bound.
+        for step in range(num_targets, -1, -1):
+            target = lower * (unsplit_makespan / lower) ** (step / num_targets) / granularity
+            choice = {}
+            for i in splittable:
+                fits = [k for k, share in enumerate(shares[i]) if max(share) <= target]
+                choice[i] = fits[0] if fits else len(sizes)
+            plan = _gang_schedule(costs, group_size, shares, choice)
+            split_volume = sum((len(shares[i][k]) - 1) * volume[i] for i, k in choice.items())
+            candidates.append((plan, split_volume))
+    shortest = min(max(plan.loads) for plan, _ in candidates)
+    eligible = [c for c in candidates if max(c[0].loads) <= shortest * (1 + slack)]
+    return min(eligible, key=lambda c: c[1])[0]
 
 
 def _gang_schedule(
     costs: Sequence[int],
     group_size: int,
-    shares: dict[int, list[np.ndarray]],
+    shares: dict[int, list[tuple[int, ...]]],
     choice: dict[int, int],
-    sizes: list[int],
 ) -> OwnerPlan:
-    """LPT where matrix ``i`` occupies an aligned block of ``sizes[choice[i] - 1]`` ranks."""
+    """LPT where matrix ``i`` takes the aligned block of ``len(shares[i][choice[i]])`` ranks."""
     loads = np.zeros(group_size, dtype=np.int64)
+    heap = [(0, rank) for rank in range(group_size)]  # lazy: entries go stale when blocks land
     owners = [0] * len(costs)
     split_sizes = [1] * len(costs)
-
-    def work(i: int) -> np.ndarray:
-        return shares[i][choice[i]] if i in choice else np.array([costs[i]], dtype=np.int64)
-
-    for index in sorted(range(len(costs)), key=lambda i: (-int(work(i).max()), i)):
-        share = work(index)
+    work = [shares[i][choice[i]] if i in choice else (costs[i],) for i in range(len(costs))]
+    for index in sorted(range(len(costs)), key=lambda i: (-max(work[i]), i)):
+        share = work[index]
         size = len(share)
         if size == 1:
-            rank = int(np.argmin(loads))  # lowest rank among ties, as plan_owners
+            while True:  # least-loaded rank, lowest rank among ties (as plan_owners)
+                load, rank = heapq.heappop(heap)
+                if load == loads[rank]:
+                    break
+            loads[rank] += share[0]
+            heapq.heappush(heap, (int(loads[rank]), rank))
         else:
             num_blocks = group_size // size
             block_max = loads[: num_blocks * size].reshape(num_blocks, size).max(axis=1)
             rank = int(np.argmin(block_max)) * size
-        loads[rank : rank + size] += share
+            loads[rank : rank + size] += share
+            for member in range(rank, rank + size):
+                heapq.heappush(heap, (int(loads[member]), member))
         owners[index] = rank
         split_sizes[index] = size
     return OwnerPlan(

@@ -1,0 +1,83 @@
+"""``python -m megatron_muon.plan``: NS work, bytes and memory per GPU for a model at a DP size.
+
+Examples::
+
+    python -m megatron_muon.plan --model llama3-8b --dp 64
+    python -m megatron_muon.plan --model deepseek-v3 --dp 1024 --ep 64 --json out.json
+    python -m megatron_muon.plan --config configs/llama3-8b.yaml --dp 256 --tp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_muon.plan.models import PRESETS, Parallelism, load_model_config
+from megatron_muon.plan.report import analyze, format_report
+
+_NS_BYTES = {"medium": 2, "high": 4, "highest": 4}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_muon.plan",
+        description="Per-GPU Newton-Schulz work, bytes moved, peak extra memory and collectives "
+        "of one Muon step under Megatron-FSDP, for our owner plan and three baselines.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", choices=sorted(PRESETS), help="a model preset")
+    source.add_argument("--config", help="a YAML file with ModelSpec keys (see configs/)")
+    parser.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--ep", type=int, help="expert-parallel size (default: the preset's)")
+    parser.add_argument("--expt-dp", type=int, help="expert-data-parallel size")
+    parser.add_argument("--ns-steps", type=int, default=5, help="NS iterations")
+    parser.add_argument(
+        "--matmul-prec",
+        choices=sorted(_NS_BYTES),
+        default="medium",
+        help="--muon-fp32-matmul-prec: 'medium' runs NS (and split-NS collectives) in bf16",
+    )
+    parser.add_argument(
+        "--max-split", type=int, default=16, help="largest rank block one matrix's NS may use"
+    )
+    parser.add_argument("--json", help="also write the figures as JSON to this path ('-': stdout)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    spec = PRESETS[args.model] if args.model else load_model_config(args.config)
+    ep = args.ep
+    if ep is None:
+        ep = spec.default_ep if spec.num_experts else 1
+        while ep > 1 and (args.dp * args.tp) % (ep * args.tp):
+            ep //= 2  # the preset's EP does not fit this small a layout
+    try:
+        parallel = Parallelism(dp=args.dp, tp=args.tp, ep=ep, expt_dp=args.expt_dp)
+        report = analyze(
+            spec,
+            parallel,
+            num_ns_steps=args.ns_steps,
+            ns_bytes=_NS_BYTES[args.matmul_prec],
+            max_split=args.max_split,
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.json != "-":
+        print(format_report(report))
+    if args.json:
+        text = json.dumps(report.to_dict(), indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,345 @@
+"""Model presets and the Muon parameter shapes the optimizer factory would route, per rank.
+
+A ``ModelSpec`` holds a transformer's sizes under Megatron's argument names (``--num-layers``
+is ``num_layers``, ...). ``muon_matrices`` lists the 2-D weights megatron-core's factory gives Muon
+(every 2-D param that is not an embedding or the output layer: attention and MLP linears, MoE
+routers, shared experts and experts; ``_get_megatron_emerging_optimizer``), in the optimizer's param
+order (``named_parameters`` of megatron-core's GPT layer specs), with their tensor-parallel-local
+shapes under ``tp_mode="blockwise"`` (Megatron's default ``--muon-tp-mode``):
+
+- ``linear_qkv`` ``(num_query_groups / tp * sum(split), hidden)``, orthogonalized as its Q, K and V
+  pieces (``--muon-split-qkv``, ``qkv_split_shapes = [heads / groups * kv_channels, kv_channels,
+  kv_channels]`` per query group);
+- ``linear_proj`` ``(hidden, heads * kv_channels / tp)``; ``linear_fc1`` ``(ffn * (2 if gated) / tp,
+  hidden)``; ``linear_fc2`` ``(hidden, ffn / tp)``;
+- multi-latent attention (no QKV split: megatron-core's "TODO support MLA"): ``linear_q_down_proj``
+  and ``linear_kv_down_proj`` (duplicated over TP), ``linear_q_up_proj``, ``linear_kv_up_proj``
+  (column-parallel), ``linear_proj`` (row-parallel);
+- MoE layers: ``router.weight`` ``(num_experts, hidden)`` (dense, replicated over TP), the local
+  experts' ``linear_fc1`` / ``linear_fc2`` (per-expert 2-D weights, as TE's grouped linear holds
+  them; expert-TP-local), shared experts (dense).
+
+Dense matrices are sharded (and planned) over the data-parallel group, experts over the
+expert-data-parallel group, as two optimizer instances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+__all__ = [
+    "PRESETS",
+    "Matrix",
+    "ModelSpec",
+    "MuonParams",
+    "Parallelism",
+    "load_model_config",
+    "muon_matrices",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A GPT-style model's sizes, named after Megatron's arguments (``--hidden-size`` ...)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    gated_linear_unit: bool = True
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    default_ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_query_groups {self.query_groups}"
+            )
+        if isinstance(self.moe_layer_freq, tuple) and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(
+                f"moe_layer_freq lists {len(self.moe_layer_freq)} layers, model has "
+                f"{self.num_layers}"
+            )
+        if self.num_experts and not self.moe_ffn_hidden_size:
+            raise ValueError("a MoE model (num_experts) needs moe_ffn_hidden_size")
+
+    @property
+    def query_groups(self) -> int:
+        """``num_query_groups``, defaulting to one per head (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """``kv_channels``, defaulting to ``hidden_size / num_attention_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has an MoE MLP (Megatron's ``--moe-layer-freq``)."""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, tuple):
+            return bool(self.moe_layer_freq[layer])
+        return layer % self.moe_layer_freq == 0
+
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="gpt-125m",
+            num_layers=12,
+            hidden_size=768,
+            num_attention_heads=12,
+            ffn_hidden_size=3072,
+            gated_linear_unit=False,
+        ),
+        ModelSpec(
+            name="llama3-8b",
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            kv_channels=128,
+            ffn_hidden_size=14336,
+        ),
+        ModelSpec(
+            name="llama3-70b",
+            num_layers=80,
+            hidden_size=8192,
+            num_attention_heads=64,
+            num_query_groups=8,
+            kv_channels=128,
+            ffn_hidden_size=28672,
+        ),
+        ModelSpec(
+            name="qwen3-30b-a3b",
+            num_layers=48,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_query_groups=4,
+            kv_channels=128,
+            ffn_hidden_size=6144,
+            num_experts=128,
+            moe_ffn_hidden_size=768,
+            default_ep=8,
+        ),
+        ModelSpec(
+            name="deepseek-v3",
+            num_layers=61,
+            hidden_size=7168,
+            num_attention_heads=128,
+            ffn_hidden_size=18432,
+            num_experts=256,
+            moe_ffn_hidden_size=2048,
+            moe_shared_expert_intermediate_size=2048,
+            moe_layer_freq=(0,) * 3 + (1,) * 58,
+            multi_latent_attention=True,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_head_dim=128,
+            qk_pos_emb_head_dim=64,
+            v_head_dim=128,
+            default_ep=64,
+        ),
+    )
+}
+
+
+def load_model_config(path: str | Path) -> ModelSpec:
+    """A ``ModelSpec`` from a YAML file: its ``model:`` mapping (or the top level, if none).
+
+    Keys are ``ModelSpec`` fields (Megatron argument names with underscores); ``name`` defaults to
+    the file's stem. Unknown keys are an error.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping, got {type(data).__name__}")
+    model = data.get("model", data)
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: 'model' must be a mapping")
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown model keys {unknown}; known: {sorted(known)}")
+    values = dict(model)
+    values.setdefault("name", Path(path).stem)
+    if isinstance(values.get("moe_layer_freq"), list):
+        values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+    return ModelSpec(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class Parallelism:
+    """Data, tensor and expert parallel sizes (pipeline and context parallel size 1).
+
+    ``expt_dp`` defaults to ``dp * tp / (ep * expert_tp)`` with ``expert_tp = tp`` (Megatron's
+    default ``--expert-tensor-parallel-size``); given explicitly, ``expert_tp`` follows from it.
+    """
+
+    dp: int
+    tp: int = 1
+    ep: int = 1
+    expt_dp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        world = self.dp * self.tp
+        if self.expt_dp is not None:
+            if self.expt_dp < 1 or world % (self.ep * self.expt_dp):
+                raise ValueError(
+                    f"expt_dp={self.expt_dp} x ep={self.ep} must divide dp x tp = {world}"
+                )
+        elif world % (self.ep * self.tp):
+            raise ValueError(f"ep={self.ep} x tp={self.tp} must divide dp x tp = {world}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in one pipeline stage: ``dp * tp``."""
+        return self.dp * self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Size of the expert-data-parallel group experts are sharded (and planned) over."""
+        if self.expt_dp is not None:
+            return self.expt_dp
+        return self.world_size // (self.ep * self.tp)
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size implied by the others."""
+        return self.world_size // (self.ep * self.expert_dp)
+
+
+@dataclass(frozen=True, slots=True)
+class Matrix:
+    """One 2-D Muon param as its optimizer sees it (DP-full, TP-local).
+
+    Attributes:
+        name: megatron-core param name (``decoder.layers.3.mlp.linear_fc1.weight``).
+        shape: ``(rows, cols)``, tensor-parallel-local.
+        pieces: the 2-D matrices NS runs on: ``(shape,)``, or Q, K, V of a QKV-split param.
+        unit: the FSDP unit (transformer layer) whose flat bucket holds it.
+    """
+
+    name: str
+    shape: tuple[int, int]
+    pieces: tuple[tuple[int, int], ...]
+    unit: int
+
+
+@dataclass(frozen=True, slots=True)
+class MuonParams:
+    """The Muon matrices of one rank, per optimizer instance, in param order."""
+
+    dense: tuple[Matrix, ...]
+    experts: tuple[Matrix, ...] = field(default=())
+
+
+def _divide(value: int, by: int, what: str) -> int:
+    if value % by:
+        raise ValueError(f"{what} = {value} is not divisible by {by}")
+    return value // by
+
+
+def _linear(name: str, rows: int, cols: int, unit: int) -> Matrix:
+    return Matrix(name=name, shape=(rows, cols), pieces=((rows, cols),), unit=unit)
+
+
+def _attention(spec: ModelSpec, tp: int, prefix: str, unit: int) -> list[Matrix]:
+    hidden, heads = spec.hidden_size, spec.num_attention_heads
+    local_heads = _divide(heads, tp, "num_attention_heads")
+    if spec.multi_latent_attention:
+        qk = spec.qk_head_dim + spec.qk_pos_emb_head_dim
+        out = [_linear(f"{prefix}.linear_proj.weight", hidden, local_heads * spec.v_head_dim, unit)]
+        if spec.q_lora_rank:
+            out.append(
+                _linear(f"{prefix}.linear_q_down_proj.weight", spec.q_lora_rank, hidden, unit)
+            )
+            out.append(
+                _linear(
+                    f"{prefix}.linear_q_up_proj.weight", local_heads * qk, spec.q_lora_rank, unit
+                )
+            )
+        else:
+            out.append(_linear(f"{prefix}.linear_q_proj.weight", local_heads * qk, hidden, unit))
+        kv_down = spec.kv_lora_rank + spec.qk_pos_emb_head_dim
+        out.append(_linear(f"{prefix}.linear_kv_down_proj.weight", kv_down, hidden, unit))
+        kv_up = local_heads * (spec.qk_head_dim + spec.v_head_dim)
+        out.append(_linear(f"{prefix}.linear_kv_up_proj.weight", kv_up, spec.kv_lora_rank, unit))
+        return out
+    head_dim = spec.head_dim
+    groups = _divide(spec.query_groups, tp, "num_query_groups")
+    split = (heads // spec.query_groups * head_dim, head_dim, head_dim)
+    qkv = Matrix(
+        name=f"{prefix}.linear_qkv.weight",
+        shape=(groups * sum(split), hidden),
+        pieces=tuple((groups * s, hidden) for s in split),
+        unit=unit,
+    )
+    proj = _linear(f"{prefix}.linear_proj.weight", hidden, local_heads * head_dim, unit)
+    return [proj, qkv]
+
+
+def _mlp(spec: ModelSpec, ffn: int, tp: int, prefix: str, unit: int) -> list[Matrix]:
+    local = _divide(ffn, tp, f"{prefix} ffn size")
+    up = local * (2 if spec.gated_linear_unit else 1)
+    return [
+        _linear(f"{prefix}.linear_fc1.weight", up, spec.hidden_size, unit),
+        _linear(f"{prefix}.linear_fc2.weight", spec.hidden_size, local, unit),
+    ]
+
+
+def muon_matrices(spec: ModelSpec, parallel: Parallelism) -> MuonParams:
+    """The Muon matrices one rank's optimizers hold, dense and expert, in param order.
+
+    Raises:
+        ValueError: sizes not divisible by the parallel sizes.
+    """
+    tp = parallel.tp
+    dense: list[Matrix] = []
+    experts: list[Matrix] = []
+    for layer in range(spec.num_layers):
+        prefix = f"decoder.layers.{layer}"
+        dense += _attention(spec, tp, f"{prefix}.self_attention", layer)
+        if not spec.is_moe_layer(layer):
+            dense += _mlp(spec, spec.ffn_hidden_size, tp, f"{prefix}.mlp", layer)
+            continue
+        num_experts = spec.num_experts or 0
+        dense.append(_linear(f"{prefix}.mlp.router.weight", num_experts, spec.hidden_size, layer))
+        local_experts = _divide(num_experts, parallel.ep, "num_experts")
+        moe_ffn = _divide(spec.moe_ffn_hidden_size or 0, parallel.expert_tp, "moe_ffn_hidden_size")
+        up = moe_ffn * (2 if spec.gated_linear_unit else 1)
+        experts += [
+            _linear(f"{prefix}.mlp.experts.linear_fc1.weight{e}", up, spec.hidden_size, layer)
+            for e in range(local_experts)
+        ]
+        experts += [
+            _linear(f"{prefix}.mlp.experts.linear_fc2.weight{e}", spec.hidden_size, moe_ffn, layer)
+            for e in range(local_experts)
+        ]
+        if spec.moe_shared_expert_intermediate_size:
+            shared = spec.moe_shared_expert_intermediate_size
+            dense += _mlp(spec, shared, tp, f"{prefix}.mlp.shared_experts", layer)
+    return MuonParams(dense=tuple(dense), experts=tuple(experts))

@@ -1,0 +1,230 @@
+"""Per-rank cost of one Muon step under each way of placing NS work, for one optimizer group.
+
+A group is the Muon matrices of one optimizer instance (dense over the data-parallel group, or
+experts over the expert-data-parallel group), each with its rows per rank (``fsdp_layout``). Every
+strategy yields, per rank of the group: NS FLOPs executed, bytes sent and received, peak extra
+memory, and collectives entered in one step.
+
+- ``replicated`` (Megatron-LM PR #4486, ``FSDPTensorParallelMuon``): a matrix lying wholly on one
+  rank is orthogonalized there; every other ("boundary") matrix is all-gathered (megatron_fsdp's
+  uneven gather; counted unpadded) on every rank of the group, all before any NS, and
+  orthogonalized on every rank. One ``all_gather_object`` per step agrees on the boundary set.
+- ``round-robin``: owner of matrix ``i`` is rank ``i mod DP`` (the reference Muon's assignment),
+  with the same owner exchange as ours.
+- ``dion``: matrices grouped by shape, each group cut into batches of DP, the last padded with
+  dummy matrices that are orthogonalized too; one all_to_all each way per batch moves even
+  ``Shard(0)`` pieces (dion's own layout, in bf16 as dion sends them).
+- ``ours``: ``planner.plan_split_owners`` (the owner plan, with the largest matrices' NS split over
+  small rank blocks where one owner cannot balance); one packed all_to_all each way
+  (``ShardedMuon`` with one bucket) plus one small all_reduce of grad flags, plus each split
+  matrix's NS collectives among its block.
+
+Byte counts: the owner exchange moves fp32 rows (as ``ShardedMuon`` does); collectives count what
+one rank puts on the wire for a ring algorithm (all_gather of ``n`` chunks: ``n - 1`` chunks out and
+in; all_reduce of ``m`` bytes: ``2 m (n - 1) / n`` out and in). Peak extra memory: communication
+buffers and full matrices held at once, plus the NS working set of the largest job (two copies of
+``X``, ``A`` and ``B``) in the NS dtype; the optimizer state itself is not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.plan.models import Matrix
+from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.split_newton_schulz import split_bounds, split_dim_of_pieces
+
+__all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
+
+STRATEGIES = ("replicated", "round-robin", "dion", "ours")
+_EXCHANGE_BYTES = 4  # fp32 rows in the owner exchange and the all-gathers
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInput:
+    """One optimizer group: its matrices, their rows per rank, and the NS settings.
+
+    Attributes:
+        matrices: in param order.
+        rows: ``rows[i][r]``: rows of matrix ``i`` on rank ``r`` of the group.
+        group_size: ranks in the group.
+        num_ns_steps: NS iterations.
+        ns_bytes: bytes per element inside NS (2 under "medium" precision, 4 otherwise).
+        max_split: largest rank block one matrix's NS may be split over (ours).
+    """
+
+    matrices: Sequence[Matrix]
+    rows: Sequence[np.ndarray]
+    group_size: int
+    num_ns_steps: int = 5
+    ns_bytes: int = 2
+    max_split: int = 16
+
+    def cost(self, index: int) -> int:
+        """NS FLOPs of matrix ``index``: the sum over its pieces (Q, K, V apart)."""
+        return sum(ns_flops(r, c, self.num_ns_steps) for r, c in self.matrices[index].pieces)
+
+    def workspace(self, pieces: Sequence[tuple[int, int]], parts: int = 1) -> int:
+        """NS working set of the largest piece, split over ``parts`` ranks: 2 X + A + B."""
+        largest = 0
+        for rows, cols in pieces:
+            k, long = min(rows, cols), max(rows, cols)
+            largest = max(largest, (2 * k * -(-long // parts) + 2 * k * k) * self.ns_bytes)
+        return largest
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCost:
+    """Per-rank figures of one step of one group under one strategy (arrays of ``group_size``).
+
+    Attributes:
+        useful_flops: NS FLOPs of the matrices themselves, once each (no replication, no padding).
+        plan: the owner plan (owner strategies), else ``None``.
+    """
+
+    strategy: str
+    ns_flops: np.ndarray
+    bytes_sent: np.ndarray
+    bytes_received: np.ndarray
+    peak_bytes: np.ndarray
+    collectives: np.ndarray
+    useful_flops: int
+    plan: OwnerPlan | None = None
+
+
+def cost_of(strategy: str, group: GroupInput) -> GroupCost:
+    """The per-rank figures of ``strategy`` (one of ``STRATEGIES``) on ``group``."""
+    if strategy == "replicated":
+        return _replicated(group)
+    if strategy == "round-robin":
+        owners = tuple(i % group.group_size for i in range(len(group.matrices)))
+        loads = [0] * group.group_size
+        for i, owner in enumerate(owners):
+            loads[owner] += group.cost(i)
+        return _owner_exchange("round-robin", group, OwnerPlan(owners, tuple(loads)))
+    if strategy == "dion":
+        return _dion(group)
+    if strategy == "ours":
+        return _owner_exchange("ours", group, plan_for(group))
+    raise ValueError(f"unknown strategy {strategy!r}; known: {STRATEGIES}")
+
+
+def plan_for(group: GroupInput) -> OwnerPlan:
+    """Our plan: the code ``ShardedMuon`` runs, on this group's costs and pieces."""
+    costs = [group.cost(i) for i in range(len(group.matrices))]
+    if group.max_split <= 1:
+        return plan_owners(costs, group.group_size)
+    return plan_split_owners(
+        costs,
+        group.group_size,
+        [m.pieces for m in group.matrices],
+        group.num_ns_steps,
+        max_split=group.max_split,
+    )
+
+
+def _zeros(group: GroupInput) -> np.ndarray:
+    return np.zeros(group.group_size, dtype=np.int64)
+
+
+def _replicated(group: GroupInput) -> GroupCost:
+    flops, sent, held, workspace = _zeros(group), _zeros(group), _zeros(group), _zeros(group)
+    boundary = 0
+    for i, matrix in enumerate(group.matrices):
+        rows = group.rows[i]
+        holders = np.flatnonzero(rows)
+        cost = group.cost(i)
+        need = group.workspace(matrix.pieces)
+        if len(holders) <= 1:  # wholly local: NS by its holder, no communication
+            flops[holders] += cost
+            workspace[holders] = np.maximum(workspace[holders], need)
+            continue
+        boundary += 1
+        flops += cost
+        full = matrix.shape[0] * matrix.shape[1] * _EXCHANGE_BYTES
+        sent += full - rows * matrix.shape[1] * _EXCHANGE_BYTES  # uneven all_gather, unpadded
+        held += full  # all boundary matrices are gathered before any NS runs
+        workspace = np.maximum(workspace, need)
+    collectives = _zeros(group) + 1 + boundary
+    useful = sum(group.cost(i) for i in range(len(group.matrices)))
+    peak = held + workspace
+    return GroupCost("replicated", flops, sent, sent.copy(), peak, collectives, useful)
+
+
+def _dion(group: GroupInput) -> GroupCost:
+    size = group.group_size
+    flops, sent, peak = _zeros(group), _zeros(group), _zeros(group)
+    batches = 0
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, matrix in enumerate(group.matrices):
+        by_shape.setdefault(matrix.shape, []).append(i)
+    for (rows, cols), members in by_shape.items():
+        count = -(-len(members) // size)  # batches, the last padded to the group size
+        batches += count
+        cost = group.cost(members[0])
+        flops += count * cost  # every rank orthogonalizes one (real or dummy) matrix per batch
+        piece = -(-rows // size) * cols * 2  # bf16 Shard(0) piece
+        sent += count * 2 * (size - 1) * piece  # all_to_all there and back
+        workspace = group.workspace(group.matrices[members[0]].pieces)
+        peak = np.maximum(peak, 2 * size * piece + workspace)
+    useful = sum(group.cost(i) for i in range(len(group.matrices)))
+    collectives = _zeros(group) + 2 * batches
+    return GroupCost("dion", flops, sent, sent.copy(), peak, collectives, useful)
+
+
+def _owner_exchange(strategy: str, group: GroupInput, plan: OwnerPlan) -> GroupCost:
+    """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange."""
+    flops = np.asarray(plan.loads, dtype=np.int64)
+    sent, staged, held = _zeros(group), _zeros(group), _zeros(group)
+    workspace = _zeros(group)
+    collectives = _zeros(group) + 3  # grad-flag all_reduce + all_to_all there and back
+    for i, matrix in enumerate(group.matrices):
+        rows, cols = matrix.shape
+        own = group.rows[i] * cols * _EXCHANGE_BYTES
+        members = plan.members(i)
+        parts = len(members)
+        if parts == 1:
+            owner = members[0]
+            out = own.copy()
+            out[owner] = rows * cols * _EXCHANGE_BYTES - own[owner]
+            sent += out
+            staged += own
+            staged[owner] -= own[owner]
+            held[owner] += rows * cols * _EXCHANGE_BYTES
+            workspace[owner] = max(workspace[owner], group.workspace(matrix.pieces))
+            continue
+        # Split: member j receives block j along the split dim from every holder, and back.
+        dim = split_dim_of_pieces(matrix.pieces)
+        assert dim is not None
+        out = own.copy()
+        bounds = split_bounds(matrix.shape[dim], parts)
+        offsets = np.concatenate([[0], np.cumsum(group.rows[i])[:-1]])
+        for j, rank in enumerate(members):
+            lo, hi = bounds[j]
+            if dim == 1:
+                kept = group.rows[i][rank] * (hi - lo)  # own rows of its own column block
+                incoming = (rows - group.rows[i][rank]) * (hi - lo)
+            else:
+                start = offsets[rank]
+                kept = max(0, min(hi, start + group.rows[i][rank]) - max(lo, start)) * cols
+                incoming = (hi - lo) * cols - kept
+            out[rank] = own[rank] - kept * _EXCHANGE_BYTES + incoming * _EXCHANGE_BYTES
+            held[rank] += (hi - lo) * (cols if dim == 0 else rows) * _EXCHANGE_BYTES
+            wire = 0
+            for piece_rows, piece_cols in matrix.pieces:
+                k = min(piece_rows, piece_cols)
+                gram = k * k * group.ns_bytes
+                gather = (parts - 1) * -(-k // parts) * k * group.ns_bytes
+                wire += group.num_ns_steps * (2 * gram * (parts - 1) // parts + gather)
+            out[rank] += wire
+            collectives[rank] += len(matrix.pieces) * (1 + 2 * group.num_ns_steps)
+            workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
+        staged += own
+        sent += out
+    peak = staged + held + workspace
+    useful = sum(group.cost(i) for i in range(len(group.matrices)))
+    return GroupCost(strategy, flops, sent, sent.copy(), peak, collectives, useful, plan)
