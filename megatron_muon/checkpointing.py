@@ -443,17 +443,37 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], scheduler: Any)
             differences.append(f"buffer {name} is not in the checkpoint")
         elif theirs != mine:
             differences.append(f"buffer {name}: {theirs} in the checkpoint, {mine} here")
-    saved_groups = [o["groups"] for o in saved["optimizers"]]
-    current_groups = [o["groups"] for o in current["optimizers"]]
-    if not differences and saved_groups != current_groups:
-        differences.append(
-            "param groups differ: the checkpoint has "
-            f"{[(o['class'], [len(g) for g in o['groups']]) for o in saved['optimizers']]} "
-            "(optimizer, params per group), this run has "
-            f"{[(o['class'], [len(g) for g in o['groups']]) for o in current['optimizers']]}"
-        )
+    if not differences:
+        differences.extend(_group_differences(saved["optimizers"], current["optimizers"]))
     if scheduler is not None and not saved.get("has_scheduler", False):
         differences.append("a scheduler was passed but the checkpoint holds no scheduler state")
+    return differences
+
+
+def _group_differences(saved: list[dict], current: list[dict]) -> list[str]:
+    """Differences in how params are split into optimizers and groups (order inside a group is
+    free: it follows Megatron-FSDP's buckets, which depend on the sharding strategy)."""
+
+    def describe(optimizers: list[dict]) -> list[tuple[str, int]]:
+        return [(o["class"], len(o["groups"])) for o in optimizers]
+
+    if describe(saved) != describe(current):
+        return [
+            f"optimizers differ: the checkpoint has {describe(saved)} (class, number of groups), "
+            f"this run has {describe(current)}"
+        ]
+    differences = []
+    for index, (theirs, mine) in enumerate(zip(saved, current, strict=True)):
+        for group, (their_names, my_names) in enumerate(
+            zip(theirs["groups"], mine["groups"], strict=True)
+        ):
+            only_saved = sorted(set(their_names) - set(my_names))
+            only_mine = sorted(set(my_names) - set(their_names))
+            if only_saved or only_mine:
+                differences.append(
+                    f"optimizer {index} ({mine['class']}) group {group}: params only in the "
+                    f"checkpoint's group {only_saved[:8]}, only in this run's {only_mine[:8]}"
+                )
     return differences
 
 

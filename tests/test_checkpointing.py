@@ -201,3 +201,115 @@ def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(
         _assert_bitwise_equal(
             uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
         )
+
+
+def _assert_each_rank_wrote_exactly_its_rows(path: str, layouts: dict, world_size: int) -> None:
+    """DCP metadata: per param, one chunk per non-empty row range (true uneven offsets), none for
+    an empty shard, stored in the file of a rank that holds those rows."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    for name, ranges in layouts.items():
+        holders: dict[tuple[int, int], set[int]] = {}
+        for rank, (start, stop) in enumerate(ranges):
+            if stop > start:
+                holders.setdefault((start, stop), set()).add(rank)
+        for fqn in [f"model.{name}"] + [
+            key
+            for key in metadata.state_dict_metadata
+            if key.startswith(f"optimizer.state.{name}.")
+        ]:
+            tensor_metadata = metadata.state_dict_metadata[fqn]
+            if len(tensor_metadata.size) == 0:  # Adam's step: a replicated scalar
+                continue
+            chunks = {(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in tensor_metadata.chunks}
+            assert chunks == set(holders), (fqn, chunks, holders)
+            for index, info in metadata.storage_data.items():
+                if index.fqn == fqn:
+                    start = index.offset[0]
+                    writer = int(info.relative_path.removeprefix("__").split("_")[0])
+                    rows = next(r for r in holders if r[0] == start)
+                    assert writer in holders[rows], (fqn, start, info.relative_path, holders)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    assert files == [f"__{r}_0.distcp" for r in range(world_size)], files
+
+
+def test_save_writes_true_uneven_and_empty_shard_chunks_from_their_own_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    results = run_on_ranks(_save_and_snapshot, 3, "optim", path, 2)
+    layouts = results[0]["saved"]["layouts"]
+    assert any(stop == start for ranges in layouts.values() for start, stop in ranges), layouts
+    _assert_each_rank_wrote_exactly_its_rows(path, layouts, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# resharding: saved at DP=2, loaded at DP=1 and DP=3 under other strategies
+# --------------------------------------------------------------------------------------------------
+
+
+def _save_and_snapshot(rank, world_size, strategy, path, k) -> dict:
+    """Trains k steps and saves; returns the full state at the save and after one more step."""
+    from megatron_muon.checkpointing import save_checkpoint
+
+    wrapped, optimizers, scheduler = _build(world_size, strategy)
+    _train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=False)
+    save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k)
+    saved = _full_snapshot(wrapped, optimizers)
+    _train(wrapped, optimizers, scheduler, rank, world_size, 1, k, noise=False)
+    return {"saved": saved, "next": _full_snapshot(wrapped, optimizers)}
+
+
+def _load_and_snapshot(rank, world_size, strategy, path) -> dict:
+    from megatron_muon.checkpointing import load_checkpoint
+
+    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123)
+    loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
+    after_load = _full_snapshot(wrapped, optimizers)
+    _train(wrapped, optimizers, scheduler, rank, world_size, 1, loaded.iteration, noise=False)
+    return {
+        "loaded": after_load,
+        "next": _full_snapshot(wrapped, optimizers),
+        "rng_restored": loaded.rng_restored,
+    }
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def dp2_checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("reshard") / "ckpt")
+    results = run_on_ranks(_save_and_snapshot, 2, "optim", path, 3)
+    return path, results[0]
+
+
+def test_dp2_checkpoint_chunks_are_the_true_row_layouts(dp2_checkpoint):
+    path, reference = dp2_checkpoint
+    _assert_each_rank_wrote_exactly_its_rows(path, reference["saved"]["layouts"], 2)
+
+
+@pytest.mark.parametrize("world_size,strategy", [(1, "no_shard"), (3, "optim_grads_params")])
+def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
+    dp2_checkpoint, world_size, strategy
+):
+    path, reference = dp2_checkpoint
+    results = run_on_ranks(_load_and_snapshot, world_size, strategy, path)
+    for result in results:
+        assert not result["rng_restored"]
+        loaded, saved = result["loaded"], reference["saved"]
+        # Params, Muon momentum, AdamW moments and step: exactly the saved values, on every row.
+        for name, tensor in saved["params"].items():
+            assert torch.equal(loaded["params"][name], tensor), name
+        for name, state in saved["state"].items():
+            assert set(loaded["state"][name]) == set(state), name
+            for key, tensor in state.items():
+                assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
+        # The next step equals the never-resharded run's (grad reduction order differs).
+        for name, tensor in reference["next"]["params"].items():
+            assert _relative(result["next"]["params"][name], tensor) <= RESHARD_TOLERANCE, name
+        for name, state in reference["next"]["state"].items():
+            for key, tensor in state.items():
+                if tensor.ndim:
+                    error = _relative(result["next"]["state"][name][key], tensor)
+                    assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"
