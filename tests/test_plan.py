@@ -1,0 +1,234 @@
+"""The owner planner, split-matrix NS, and the `python -m megatron_muon.plan` tool."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.plan.__main__ import main as plan_main
+from megatron_muon.plan.models import PRESETS, Parallelism, load_model_config, muon_matrices
+from megatron_muon.plan.report import analyze
+from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.split_newton_schulz import (
+    long_dim,
+    split_bounds,
+    split_dim_of_pieces,
+    split_newton_schulz,
+    split_ns_flops,
+    split_pieces_flops,
+)
+from tests.harness import RankFailure, run_on_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+# Tall, wide, square, odd, and small enough that some ranks hold empty blocks.
+SPLIT_SHAPES = [(48, 16), (16, 48), (32, 32), (33, 7), (7, 3)]
+
+
+def _plan_inputs(spec_name: str, parallel: Parallelism) -> tuple[list[int], list]:
+    matrices = muon_matrices(PRESETS[spec_name], parallel).dense
+    costs = [sum(ns_flops(r, c, 5) for r, c in m.pieces) for m in matrices]
+    return costs, [m.pieces for m in matrices]
+
+
+def _plans_on_rank(rank: int, world_size: int) -> list[OwnerPlan]:
+    # Ranks 0-1 and 2-3 are the two TP ranks of DP ranks 0 and 1: every rank plans from the
+    # TP-local shapes it holds, which are the same on every TP rank.
+    plans = []
+    for spec_name, dp in (("llama3-8b", 256), ("deepseek-v3", 64), ("gpt-125m", 4)):
+        costs, pieces = _plan_inputs(spec_name, Parallelism(dp=dp, tp=2))
+        plans.append(plan_owners(costs, dp))
+        plans.append(plan_split_owners(costs, dp, pieces, 5))
+    return plans
+
+
+def test_plan_is_identical_on_every_rank_and_tp_rank():
+    results = run_on_ranks(_plans_on_rank, 4, timeout=60)
+    assert all(plans == results[0] for plans in results)
+    assert any(plan.split_matrices() for plan in results[0])  # the split path was exercised
+
+
+def _count_flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES + [(64, 96)])
+def test_ns_flops_equals_the_matmul_flops_newton_schulz_performs(shape):
+    x = torch.randn(*shape)
+    for steps in (1, 5):
+        counted = _count_flops(lambda s=steps: newton_schulz(x, s, "quintic"))
+        assert counted == ns_flops(*shape, steps)
+        assert split_ns_flops(*shape, steps, 1, 0) == counted
+
+
+def _brute_force_makespan(costs: list[int], group_size: int) -> int:
+    best = sum(costs)
+    for assignment in itertools.product(range(group_size), repeat=len(costs)):
+        loads = [0] * group_size
+        for cost, rank in zip(costs, assignment, strict=True):
+            loads[rank] += cost
+        best = min(best, max(loads))
+    return best
+
+
+def _check_plan_consistent(plan: OwnerPlan, costs, pieces, group_size: int, steps: int) -> None:
+    loads = [0] * group_size
+    for i in range(len(costs)):
+        size = plan.split_size(i)
+        assert plan.owners[i] % size == 0 and plan.owners[i] + size <= group_size
+        for j, rank in enumerate(plan.members(i)):
+            loads[rank] += costs[i] if size == 1 else split_pieces_flops(pieces[i], steps, size, j)
+    assert tuple(loads) == plan.loads
+
+
+def test_plan_max_load_is_within_four_thirds_of_the_brute_force_optimum():
+    rng = random.Random(0)
+    for _ in range(60):
+        group_size = rng.choice([2, 3, 4])
+        shapes = [(rng.randint(1, 48), rng.randint(1, 48)) for _ in range(rng.randint(1, 7))]
+        costs = [ns_flops(r, c, 5) for r, c in shapes]
+        optimum = _brute_force_makespan(costs, group_size)
+        owners = plan_owners(costs, group_size)
+        assert max(owners.loads) <= 4 / 3 * optimum
+        assert sum(owners.loads) == sum(costs)
+        pieces = [[shape] for shape in shapes]
+        split = plan_split_owners(costs, group_size, pieces, 5, tolerance=1.0)
+        _check_plan_consistent(split, costs, pieces, group_size, 5)
+        assert max(split.loads) <= max(owners.loads)  # splitting never makes the plan worse
+
+
+def test_split_plan_balances_when_one_matrix_dominates():
+    # One 14336x4096-like matrix among small ones, more ranks than matrices.
+    costs_shapes = [(2 * 1792, 512)] + [(512, 512)] * 5
+    costs = [ns_flops(r, c, 5) for r, c in costs_shapes]
+    pieces = [[s] for s in costs_shapes]
+    unsplit = plan_owners(costs, 16)
+    split = plan_split_owners(costs, 16, pieces, 5)
+    _check_plan_consistent(split, costs, pieces, 16, 5)
+    assert split.split_size(0) == max(split.split_size(i) for i in range(len(costs))) > 1
+    assert max(split.loads) < 0.5 * max(unsplit.loads)
+
+
+def test_split_dims_follow_newton_schulz_transpose_rule():
+    assert long_dim(48, 16) == 0 and long_dim(16, 48) == 1 and long_dim(32, 32) == 1
+    assert split_dim_of_pieces([(48, 16)]) == 0
+    assert split_dim_of_pieces([(32, 64), (8, 64), (8, 64)]) == 1  # QKV pieces share columns
+    assert split_dim_of_pieces([(128, 64), (8, 64), (8, 64)]) is None  # Q tall, K/V wide
+    assert split_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert split_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    for shape in SPLIT_SHAPES:
+        for parts in (2, 3, 4):
+            total = sum(split_ns_flops(*shape, 5, parts, j) for j in range(parts))
+            assert total == ns_flops(*shape, 5)  # splitting adds no FLOPs
+
+
+def _block(full: torch.Tensor, dim: int, parts: int, part: int) -> torch.Tensor:
+    lo, hi = split_bounds(full.shape[dim], parts)[part]
+    return full.narrow(dim, lo, hi - lo).contiguous()
+
+
+def _split_ns_on_rank(rank: int, world_size: int, shapes) -> list[tuple]:
+    torch.set_float32_matmul_precision("highest")
+    out = []
+    for index, shape in enumerate(shapes):
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(index))
+        dim = long_dim(*shape)
+        block = _block(full, dim, world_size, rank)
+        flops = _count_flops(lambda b=block, s=shape: split_newton_schulz(b, s, None, 5))
+        out.append((split_newton_schulz(block, shape, None, 5), flops))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_split_newton_schulz_equals_full_matrix_newton_schulz(world_size):
+    results = run_on_ranks(_split_ns_on_rank, world_size, SPLIT_SHAPES, timeout=90)
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for index, shape in enumerate(SPLIT_SHAPES):
+            full = torch.randn(*shape, generator=torch.Generator().manual_seed(index))
+            reference = newton_schulz(full, 5, "quintic")
+            blocks = [results[rank][index][0] for rank in range(world_size)]
+            assembled = torch.cat(blocks, dim=long_dim(*shape))
+            error = ((assembled - reference).norm() / reference.norm()).item()
+            assert error <= 1e-6, f"{shape} on {world_size} ranks: relative error {error:.2e}"
+            for rank in range(world_size):
+                assert results[rank][index][1] == split_ns_flops(*shape, 5, world_size, rank)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+def _split_qkv_in_subgroups(rank: int, world_size: int) -> torch.Tensor:
+    # Two aligned blocks of 2 ranks ({0, 1} and {2, 3}) each split a different QKV-like param
+    # (Q, K, V pieces stacked by rows, all wide) by columns, at the same time.
+    torch.set_float32_matmul_precision("highest")
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    block_index, part = divmod(rank, 2)
+    pieces = [(32, 64), (8, 64), (8, 64)]
+    full = torch.randn(48, 64, generator=torch.Generator().manual_seed(block_index))
+    lo, hi = split_bounds(64, 2)[part]
+    columns = full[:, lo:hi]
+    results, start = [], 0
+    for rows, cols in pieces:
+        block = columns[start : start + rows].contiguous()
+        results.append(split_newton_schulz(block, (rows, cols), groups[block_index], 5))
+        start += rows
+    return torch.cat(results)
+
+
+def test_split_newton_schulz_runs_qkv_pieces_in_concurrent_rank_blocks():
+    results = run_on_ranks(_split_qkv_in_subgroups, 4, timeout=60)
+    torch.set_float32_matmul_precision("highest")
+    for block_index in range(2):
+        full = torch.randn(48, 64, generator=torch.Generator().manual_seed(block_index))
+        reference = torch.cat(
+            [newton_schulz(piece, 5, "quintic") for piece in full.split([32, 8, 8])]
+        )
+        assembled = torch.cat([results[2 * block_index], results[2 * block_index + 1]], dim=1)
+        error = ((assembled - reference).norm() / reference.norm()).item()
+        assert error <= 1e-6
+
+
+def _wrong_block(rank: int, world_size: int) -> None:
+    # A wide matrix splits by columns: a (rows/2, cols) row block is refused before any collective.
+    split_newton_schulz(torch.zeros(8, 48), (16, 48), None, 5)
+
+
+def test_split_newton_schulz_rejects_a_block_split_along_the_wrong_dim():
+    with pytest.raises(RankFailure, match="must hold block"):
+        run_on_ranks(_wrong_block, 2, timeout=30)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_tool_reports_every_preset_and_config_file_matches_preset(name):
+    spec = PRESETS[name]
+    assert load_model_config(REPO / "configs" / f"{name}.yaml") == spec
+    ep = 8 if spec.num_experts else 1
+    report = analyze(spec, Parallelism(dp=8, ep=ep))
+    ours, replicated = report.figures("ours"), report.figures("replicated")
+    assert ours.flops_max_over_ideal <= replicated.flops_max_over_ideal
+    assert ours.ns_flops_max <= report.figures("round-robin").ns_flops_max
+    assert ours.bytes_sent_max < replicated.bytes_sent_max or report.dp == 1
+
+
+def test_tool_cli_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert plan_main(["--model", "llama3-8b", "--dp", "64", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert {s["strategy"] for s in data["strategies"]} == {
+        "replicated",
+        "round-robin",
+        "dion",
+        "ours",
+    }
+    assert "ours" in capsys.readouterr().out
+    assert plan_main(["--model", "llama3-8b", "--dp", "8", "--tp", "3"]) == 2  # 32 heads / 3
