@@ -629,7 +629,12 @@ def _read_marker(path: str) -> dict[str, Any]:
     for name, size in manifest["files"].items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
-            raise IncompleteCheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+            writer = ""
+            if name.startswith("__") and name.endswith(".distcp"):
+                writer = f" (rank {name[2:].split('_')[0]}'s shards)"
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} is incomplete: {name}{writer} is missing"
+            )
         if os.path.getsize(file) != size:
             raise IncompleteCheckpointError(
                 f"checkpoint {path} is incomplete: {name} has {os.path.getsize(file)} bytes, "

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, run_on_ranks
+from tests.harness import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS
 
 GLOBAL_BATCH = 12  # divisible by every DP size used here
@@ -313,3 +313,129 @@ def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
                 if tensor.ndim:
                     error = _relative(result["next"]["state"][name][key], tensor)
                     assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# errors: every rank raises the same error, naming what is wrong; nothing is changed
+# --------------------------------------------------------------------------------------------------
+
+
+def _try_load(rank, world_size, path, hidden=48, save_all_adam_to=None) -> dict:
+    """Builds Muon+AdamW on ToyMLP(hidden) and tries to load ``path``; reports the error and
+    whether params and optimizer state are untouched. With ``save_all_adam_to``, first saves a
+    checkpoint whose matrices are trained by AdamW (the "Adam state into Muon" case)."""
+    from megatron_muon.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+
+    if save_all_adam_to is not None:
+        wrapped, optimizers, scheduler = _build(world_size, "optim", all_adam=True)
+        _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+        save_checkpoint(save_all_adam_to, wrapped, optimizers, scheduler, iteration=1)
+    wrapped, optimizers, scheduler = _build(world_size, "optim", seed=5, hidden=hidden)
+    _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+    before = _local_snapshot(wrapped, optimizers)
+    try:
+        load_checkpoint(path, wrapped, optimizers, scheduler)
+    except CheckpointError as error:
+        after = _local_snapshot(wrapped, optimizers)
+        unchanged = True
+        try:
+            _assert_bitwise_equal(before, after, "after a failed load")
+        except AssertionError:
+            unchanged = False
+        return {"type": type(error).__name__, "message": str(error), "unchanged": unchanged}
+    return {"type": None, "message": "", "unchanged": None}
+
+
+def _assert_load_fails(path, kind: str, *phrases: str, **kwargs) -> None:
+    results = run_on_ranks(_try_load, 2, path, **kwargs)
+    for rank, result in enumerate(results):
+        assert result["type"] == kind, (rank, result)
+        for phrase in phrases:
+            assert phrase in result["message"], (rank, phrase, result["message"])
+        assert result["unchanged"], f"rank {rank}: state changed by a failed load"
+
+
+@pytest.fixture
+def copied_checkpoint(dp2_checkpoint, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "copy")
+    shutil.copytree(dp2_checkpoint[0], path)
+    return path
+
+
+def test_loading_a_missing_directory_names_it(tmp_path):
+    path = str(tmp_path / "never_saved")
+    _assert_load_fails(path, "CheckpointNotFoundError", path, "does not exist")
+
+
+def test_a_checkpoint_without_completion_marker_is_incomplete(copied_checkpoint):
+    from megatron_muon.checkpointing import MARKER_NAME
+
+    os.remove(os.path.join(copied_checkpoint, MARKER_NAME))
+    _assert_load_fails(copied_checkpoint, "IncompleteCheckpointError", "no completion marker")
+
+
+def test_a_checkpoint_missing_a_rank_file_is_incomplete(copied_checkpoint):
+    os.remove(os.path.join(copied_checkpoint, "__1_0.distcp"))
+    _assert_load_fails(
+        copied_checkpoint, "IncompleteCheckpointError", "__1_0.distcp (rank 1's shards) is missing"
+    )
+
+
+def test_a_truncated_rank_file_is_incomplete(copied_checkpoint):
+    file = os.path.join(copied_checkpoint, "__0_0.distcp")
+    os.truncate(file, os.path.getsize(file) // 2)
+    _assert_load_fails(copied_checkpoint, "IncompleteCheckpointError", "__0_0.distcp has")
+
+
+def test_a_different_model_shape_is_named(dp2_checkpoint):
+    _assert_load_fails(
+        dp2_checkpoint[0],
+        "CheckpointMismatchError",
+        "param fc1.weight: shape (48, 16) in the checkpoint, (40, 16) in this model",
+        "param fc2.weight: shape (16, 48) in the checkpoint, (16, 40) in this model",
+        hidden=40,
+    )
+
+
+def test_adam_state_into_muon_is_named(tmp_path):
+    path = str(tmp_path / "adam_only")
+    _assert_load_fails(
+        path,
+        "CheckpointMismatchError",
+        "param fc1.weight: the checkpoint holds AdamW state ['step', 'exp_avg', 'exp_avg_sq'], "
+        "this run's optimizer for it is ShardedMuon with state ['momentum_buffer']",
+        save_all_adam_to=path,
+    )
+
+
+def _interrupted_save(rank, world_size, path) -> dict:
+    """A save whose publish step fails on rank 0 (as if killed after the DCP writes)."""
+    from megatron_muon import checkpointing
+
+    wrapped, optimizers, scheduler = _build(world_size, "optim")
+    _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+
+    def crash(*args, **kwargs):
+        raise OSError("simulated crash before the completion marker")
+
+    checkpointing._publish = crash
+    try:
+        checkpointing.save_checkpoint(path, wrapped, optimizers, scheduler, iteration=1)
+    except OSError as error:
+        return {"save_error": str(error)}
+    return {"save_error": None}
+
+
+def test_an_interrupted_save_never_loads_as_valid(tmp_path):
+    from megatron_muon.checkpointing import INCOMPLETE_SUFFIX
+
+    path = str(tmp_path / "ckpt")
+    results = run_on_ranks(_interrupted_save, 2, path)
+    assert all("simulated crash" in r["save_error"] for r in results), results
+    assert not os.path.exists(path) and os.path.isdir(path + INCOMPLETE_SUFFIX)
+    _assert_load_fails(path, "CheckpointNotFoundError", "a save that did not finish")
+    _assert_load_fails(
+        path + INCOMPLETE_SUFFIX, "IncompleteCheckpointError", "no completion marker"
+    )
