@@ -29,6 +29,7 @@ __all__ = [
     "GatherExchange",
     "OwnerExchange",
     "PendingExchange",
+    "WorkBlock",
     "source_rank",
 ]
 
@@ -48,20 +49,51 @@ class ExchangeStats:
 
 
 def source_rank(holders: Sequence[int], owner: int, matrix_index: int) -> int:
-    """Which holder of a row interval sends it to the owner: the owner itself if it holds it
+    """Which holder of a row interval sends it to a worker: the worker itself if it holds it
     (no traffic), else one holder chosen by matrix index to spread replicas' send load."""
     if owner in holders:
         return owner
     return holders[matrix_index % len(holders)]
 
 
+@dataclass(frozen=True, slots=True)
+class WorkBlock:
+    """The rectangle of a 2-D matrix one rank orthogonalizes (or its whole matrix).
+
+    A matrix with one owner has one block covering it; a matrix whose NS is split over ``g`` ranks
+    has ``g`` blocks along its long dim (``split_newton_schulz``).
+    """
+
+    rank: int  # group rank that receives this block and computes on it
+    row_start: int
+    row_stop: int
+    col_start: int
+    col_stop: int
+
+    @staticmethod
+    def whole(rank: int, layout: RowLayout) -> WorkBlock:
+        """The whole matrix of ``layout``, on ``rank`` (columns: the first row dim)."""
+        return WorkBlock(rank, 0, layout.num_rows, 0, layout.row_shape[0])
+
+
 @dataclass(slots=True)
 class _Block:
-    """A run of rows of one matrix inside a packed buffer."""
+    """A rectangle of one matrix inside a packed buffer: rows x columns of work block ``work``."""
 
     matrix: int  # index into the bucket's matrix list
+    work: int  # index into that matrix's work blocks
     start: int  # first row
     stop: int  # one past the last row
+    col_start: int
+    col_stop: int
+
+
+@dataclass(slots=True)
+class _Splits:
+    """Per-peer block lists and element counts of one all_to_all, for this rank."""
+
+    blocks: list[list[_Block]] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -76,20 +108,12 @@ class PendingExchange:
     output: Any
 
 
-@dataclass(slots=True)
-class _Splits:
-    """Per-peer block lists and element counts of one all_to_all, for this rank."""
-
-    blocks: list[list[_Block]] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-
-
 class OwnerExchange:
-    """Packed all_to_all of row shards to owners and of results back, for one bucket of matrices.
+    """Packed all_to_all of row shards to workers and of results back, for one bucket.
 
     Args:
         layouts: row layout of each matrix in the bucket (same on every rank).
-        owners: owner group rank of each matrix.
+        work: each matrix's work blocks (``WorkBlock.whole(owner, layout)`` for one owner).
         matrix_ids: global matrix index of each (seeds the choice among replicas).
         rank: this rank in ``group``.
         group: the data-parallel process group.
@@ -99,7 +123,7 @@ class OwnerExchange:
     def __init__(
         self,
         layouts: Sequence[RowLayout],
-        owners: Sequence[int],
+        work: Sequence[Sequence[WorkBlock]],
         matrix_ids: Sequence[int],
         rank: int,
         group: dist.ProcessGroup | None,
@@ -107,7 +131,7 @@ class OwnerExchange:
     ) -> None:
         self.device = device
         self.layouts = list(layouts)
-        self.owners = list(owners)
+        self.work = [list(blocks) for blocks in work]
         self.rank = rank
         self.group = group
         world = dist.get_world_size(group)
@@ -115,40 +139,62 @@ class OwnerExchange:
         self.to_owner_recv = _Splits([[] for _ in range(world)], [0] * world)
         self.back_send = _Splits([[] for _ in range(world)], [0] * world)
         self.back_recv = _Splits([[] for _ in range(world)], [0] * world)
-        for m, (layout, owner, matrix_id) in enumerate(
-            zip(self.layouts, self.owners, matrix_ids, strict=True)
+        for m, (layout, blocks, matrix_id) in enumerate(
+            zip(self.layouts, self.work, matrix_ids, strict=True)
         ):
             for (start, stop), holders in layout.intervals():
-                source = source_rank(holders, owner, matrix_id)
-                numel = (stop - start) * layout.row_numel
-                if source == rank:
-                    self.to_owner_send.blocks[owner].append(_Block(m, start, stop))
-                    self.to_owner_send.sizes[owner] += numel
-                if owner == rank:
-                    self.to_owner_recv.blocks[source].append(_Block(m, start, stop))
-                    self.to_owner_recv.sizes[source] += numel
-                for holder in holders:
-                    if owner == rank:
-                        self.back_send.blocks[holder].append(_Block(m, start, stop))
-                        self.back_send.sizes[holder] += numel
-                    if holder == rank:
-                        self.back_recv.blocks[owner].append(_Block(m, start, stop))
-                        self.back_recv.sizes[owner] += numel
+                for k, w in enumerate(blocks):
+                    rows = (max(start, w.row_start), min(stop, w.row_stop))
+                    if rows[0] >= rows[1]:
+                        continue
+                    block = _Block(m, k, rows[0], rows[1], w.col_start, w.col_stop)
+                    numel = self._numel(block)
+                    source = source_rank(holders, w.rank, matrix_id)
+                    if source == rank:
+                        self.to_owner_send.blocks[w.rank].append(block)
+                        self.to_owner_send.sizes[w.rank] += numel
+                    if w.rank == rank:
+                        self.to_owner_recv.blocks[source].append(block)
+                        self.to_owner_recv.sizes[source] += numel
+                    for holder in holders:
+                        if w.rank == rank:
+                            self.back_send.blocks[holder].append(block)
+                            self.back_send.sizes[holder] += numel
+                        if holder == rank:
+                            self.back_recv.blocks[w.rank].append(block)
+                            self.back_recv.sizes[w.rank] += numel
 
-    def owned(self) -> list[int]:
-        """Bucket positions of the matrices this rank owns."""
-        return [m for m, owner in enumerate(self.owners) if owner == self.rank]
+    def _numel(self, block: _Block) -> int:
+        row_shape = self.layouts[block.matrix].row_shape
+        inner = 1
+        for size in row_shape[1:]:
+            inner *= size
+        return (block.stop - block.start) * (block.col_stop - block.col_start) * inner
+
+    def owned(self) -> list[tuple[int, int]]:
+        """``(bucket position, work block index)`` of the blocks this rank computes on."""
+        return [
+            (m, k)
+            for m, blocks in enumerate(self.work)
+            for k, w in enumerate(blocks)
+            if w.rank == self.rank
+        ]
+
+    def _work_shape(self, m: int, k: int) -> tuple[int, ...]:
+        w = self.work[m][k]
+        return (w.row_stop - w.row_start, w.col_stop - w.col_start, *self.layouts[m].row_shape[1:])
 
     def gather_to_owners(
         self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
-    ) -> dict[int, torch.Tensor]:
-        """Sends each local row shard to its matrix's owner. Collective over ``group``.
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Sends each local row shard to the workers of its matrix. Collective over ``group``.
 
         Args:
             local_rows: this rank's rows of each matrix, ``(rows_of(rank), *row_shape)``.
 
         Returns:
-            For each owned bucket position, the full matrix ``(num_rows, *row_shape)``, fp32.
+            For each of this rank's work blocks ``(m, k)``, its rectangle of matrix ``m`` (the
+            full matrix for an unsplit one), fp32.
         """
         return self.finish(self.start_gather_to_owners(local_rows, stats))
 
@@ -157,26 +203,29 @@ class OwnerExchange:
     ) -> PendingExchange:
         """Starts ``gather_to_owners`` asynchronously; ``finish`` returns its result."""
         full = {
-            m: torch.empty(self.layouts[m].shape, dtype=torch.float32, device=self.device)
-            for m in self.owned()
+            key: torch.empty(self._work_shape(*key), dtype=torch.float32, device=self.device)
+            for key in self.owned()
         }
 
         def read(block: _Block) -> torch.Tensor:
             start = self.layouts[block.matrix].ranges[self.rank][0]
-            return local_rows[block.matrix][block.start - start : block.stop - start]
+            rows = local_rows[block.matrix][block.start - start : block.stop - start]
+            return rows[:, block.col_start : block.col_stop]
 
         def write(block: _Block, data: torch.Tensor) -> None:
-            full[block.matrix][block.start : block.stop].copy_(data)
+            w = self.work[block.matrix][block.work]
+            target = full[(block.matrix, block.work)]
+            target[block.start - w.row_start : block.stop - w.row_start].copy_(data)
 
         return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats)
 
     def scatter_from_owners(
-        self, results: dict[int, torch.Tensor], stats: ExchangeStats
+        self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
     ) -> list[torch.Tensor]:
-        """Returns each holder its rows of the owners' results. Collective over ``group``.
+        """Returns each holder its rows of the workers' results. Collective over ``group``.
 
         Args:
-            results: for each owned bucket position, the full result ``(num_rows, *row_shape)``.
+            results: for each of this rank's work blocks ``(m, k)``, the result rectangle.
 
         Returns:
             This rank's rows of each matrix's result, ``(rows_of(rank), *row_shape)``, fp32.
@@ -184,7 +233,7 @@ class OwnerExchange:
         return self.finish(self.start_scatter_from_owners(results, stats))
 
     def start_scatter_from_owners(
-        self, results: dict[int, torch.Tensor], stats: ExchangeStats
+        self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
     ) -> PendingExchange:
         """Starts ``scatter_from_owners`` asynchronously; ``finish`` returns its result."""
         mine = [
@@ -197,11 +246,15 @@ class OwnerExchange:
         ]
 
         def read(block: _Block) -> torch.Tensor:
-            return results[block.matrix][block.start : block.stop]
+            w = self.work[block.matrix][block.work]
+            return results[(block.matrix, block.work)][
+                block.start - w.row_start : block.stop - w.row_start
+            ]
 
         def write(block: _Block, data: torch.Tensor) -> None:
             start = self.layouts[block.matrix].ranges[self.rank][0]
-            mine[block.matrix][block.start - start : block.stop - start].copy_(data)
+            rows = mine[block.matrix][block.start - start : block.stop - start]
+            rows[:, block.col_start : block.col_stop].copy_(data)
 
         return self._start(self.back_send, self.back_recv, read, write, mine, stats)
 
@@ -226,10 +279,14 @@ class OwnerExchange:
         position = 0
         for peer_blocks in pending.recv.blocks:
             for block in peer_blocks:
-                layout = self.layouts[block.matrix]
-                numel = (block.stop - block.start) * layout.row_numel
+                numel = self._numel(block)
                 data = pending.recv_buffer[position : position + numel]
-                pending.write(block, data.view(block.stop - block.start, *layout.row_shape))
+                shape = (
+                    block.stop - block.start,
+                    block.col_stop - block.col_start,
+                    *self.layouts[block.matrix].row_shape[1:],
+                )
+                pending.write(block, data.view(shape))
                 position += numel
         return pending.output
 

@@ -36,10 +36,16 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange
+from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange, WorkBlock
 from megatron_muon.layout import RowLayout, gather_row_layouts, local_tensor
 from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
-from megatron_muon.planner import OwnerPlan, plan_owners
+from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.split_newton_schulz import (
+    split_bounds,
+    split_dim_of_pieces,
+    split_ns_flops,
+    split_scaled_orthogonalize,
+)
 
 __all__ = ["ShardedMuon", "FsdpModeT", "StepStats"]
 
@@ -70,6 +76,8 @@ class _StepPlan:
     owner_plan: OwnerPlan
     buckets: list[list[int]]  # positions into ``matrices``
     dp_size: int
+    work: list[list[WorkBlock]]  # per matrix: who computes which rectangle of it
+    split_groups: dict[tuple[int, int], dist.ProcessGroup]
     exchanges: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
 
@@ -354,28 +362,80 @@ class ShardedMuon(TensorParallelMuon):
         incoming = exchanges[0].start_gather_to_owners(buckets[0][2], stats)
         outgoing = []
         for k, exchange in enumerate(exchanges):
-            full = exchange.finish(incoming)
+            blocks = exchange.finish(incoming)
             if k + 1 < len(exchanges):
                 incoming = exchanges[k + 1].start_gather_to_owners(buckets[k + 1][2], stats)
-            self._note_peak(full.values())
-            owned = sorted(full)
-            positions = buckets[k][1]
-            results = self._orthogonalize_full(
-                [positions[m] for m in owned], [full[m] for m in owned]
-            )
-            outgoing.append(
-                exchange.start_scatter_from_owners(dict(zip(owned, results, strict=True)), stats)
-            )
+            self._note_peak(blocks.values())
+            active, positions = buckets[k][0], buckets[k][1]
+            results = self._orthogonalize_blocks(plan, active, positions, blocks)
+            outgoing.append(exchange.start_scatter_from_owners(results, stats))
         for k, (exchange, pending) in enumerate(zip(exchanges, outgoing, strict=True)):
             for p, rows in zip(buckets[k][1], exchange.finish(pending), strict=True):
                 updates[p] = rows
+
+    def _orthogonalize_blocks(self, plan, active, positions, blocks) -> dict:
+        """Results of this rank's work blocks: whole matrices batched, split ones in order."""
+        whole = [key for key in sorted(blocks) if plan.owner_plan.split_size(active[key[0]]) == 1]
+        results = dict(
+            zip(
+                whole,
+                self._orthogonalize_full(
+                    [positions[m] for m, _ in whole], [blocks[key] for key in whole]
+                ),
+                strict=True,
+            )
+        )
+        for key in sorted(set(blocks) - set(whole)):
+            m, k = key
+            matrix = active[m]
+            group = plan.split_groups[
+                (plan.owner_plan.owners[matrix], plan.owner_plan.split_size(matrix))
+            ]
+            results[key] = self._split_orthogonalize(
+                plan.params[positions[m]], plan.layouts[positions[m]], blocks[key], group, k
+            )
+        return results
+
+    def _split_orthogonalize(
+        self,
+        param: torch.Tensor,
+        layout: RowLayout,
+        block: torch.Tensor,
+        group: dist.ProcessGroup,
+        part: int,
+    ) -> torch.Tensor:
+        """This rank's block of a matrix whose NS is split over ``group`` (Q, K, V apart).
+
+        Collective over ``group``. ``block`` holds rows (tall matrix) or columns (wide matrix, or
+        a QKV param split by columns) ``split_bounds(long side, g)[part]`` of the full matrix.
+        """
+        rows, cols = layout.num_rows, layout.row_shape[0]
+        size = dist.get_world_size(group)
+        pieces = self._ns_pieces(param, layout)
+        for piece_rows, piece_cols in pieces:
+            self.step_stats.ns_flops += split_ns_flops(
+                piece_rows, piece_cols, self.ns_config.num_ns_steps, size, part
+            )
+        if len(pieces) == 1:
+            return split_scaled_orthogonalize(block, (rows, cols), group, self.ns_config)
+        shapes = self._qkv_split_shapes(param)
+        groups = rows // sum(shapes)  # type: ignore[arg-type]
+        local_cols = block.shape[1]
+        split = torch.split(block.view(groups, sum(shapes), local_cols), shapes, dim=1)  # type: ignore[arg-type]
+        done = [
+            split_scaled_orthogonalize(
+                piece.reshape(-1, local_cols), (piece_rows, cols), group, self.ns_config
+            ).view(groups, -1, local_cols)
+            for piece, (piece_rows, _) in zip(split, pieces, strict=True)
+        ]
+        return torch.cat(done, dim=1).view(rows, local_cols)
 
     def _owner_exchange(self, plan, active, positions, device) -> OwnerExchange:
         exchange = plan.exchanges.get(active)
         if exchange is None:
             exchange = OwnerExchange(
                 [plan.layouts[p] for p in positions],
-                [plan.owner_plan.owners[m] for m in active],
+                [plan.work[m] for m in active],
                 list(active),
                 dist.get_rank(self.dp_group),
                 self.dp_group,
@@ -518,13 +578,27 @@ class ShardedMuon(TensorParallelMuon):
         return self._plan
 
     def _build_plan(self, params: list[torch.Tensor]) -> _StepPlan:
-        """Layouts (one all_gather), owners and buckets. Collective over ``dp_group``."""
+        """Layouts (one all_gather), owners, work blocks, split groups and buckets.
+
+        Collective over ``dp_group`` (and, for split matrices, over each split block's ranks).
+        """
         dp_size = dist.get_world_size(self.dp_group)
         layouts = gather_row_layouts(params, self.dp_group)
         matrices = [i for i, p in enumerate(params) if p.ndim == 2]
         experts = [i for i, p in enumerate(params) if p.ndim == 3]
-        costs = [self._ns_cost(params[i], layouts[i]) for i in matrices]
-        owner_plan = plan_owners(costs, dp_size)
+        pieces = [self._ns_pieces(params[i], layouts[i]) for i in matrices]
+        costs = [sum(self.ns_config.flops(r, c) for r, c in job) for job in pieces]
+        if dp_size > 1 and self._can_split_ns():
+            splittable = [
+                None if self._needs_tp_collectives(params[i]) else job
+                for i, job in zip(matrices, pieces, strict=True)
+            ]
+            owner_plan = plan_split_owners(costs, dp_size, splittable, self.ns_config.num_ns_steps)
+        else:
+            owner_plan = plan_owners(costs, dp_size)
+        work = [
+            self._work_blocks(owner_plan, m, layouts[i], pieces[m]) for m, i in enumerate(matrices)
+        ]
         return _StepPlan(
             params=params,
             groups=[g for g in self.param_groups for _ in g["params"]],
@@ -534,16 +608,68 @@ class ShardedMuon(TensorParallelMuon):
             owner_plan=owner_plan,
             buckets=self._buckets([layouts[i] for i in matrices]),
             dp_size=dp_size,
+            work=work,
+            split_groups=self._split_groups(owner_plan),
         )
 
-    def _ns_cost(self, param: torch.Tensor, layout: RowLayout) -> int:
-        """NS FLOPs of a full matrix (sum over Q, K, V under QKV split); same on every TP rank."""
+    def _can_split_ns(self) -> bool:
+        """Split NS implements the standard iteration with a built-in coefficient set."""
+        config = self.ns_config
+        return config.ns_method == "standard" and config.coefficient_type != "custom"
+
+    def _ns_pieces(self, param: torch.Tensor, layout: RowLayout) -> list[tuple[int, int]]:
+        """``(rows, cols)`` of a full matrix's NS jobs: Q, K, V under QKV split, else itself."""
         rows, cols = layout.num_rows, layout.row_shape[0]
         shapes = self._qkv_split_shapes(param)
         if shapes is None or rows % sum(shapes) != 0:
-            return self.ns_config.flops(rows, cols)
+            return [(rows, cols)]
         groups = rows // sum(shapes)
-        return sum(self.ns_config.flops(groups * s, cols) for s in shapes)
+        return [(groups * s, cols) for s in shapes]
+
+    def _ns_cost(self, param: torch.Tensor, layout: RowLayout) -> int:
+        """NS FLOPs of a full matrix (sum over Q, K, V under QKV split); same on every TP rank."""
+        return sum(self.ns_config.flops(r, c) for r, c in self._ns_pieces(param, layout))
+
+    @staticmethod
+    def _work_blocks(
+        plan: OwnerPlan, m: int, layout: RowLayout, pieces: list[tuple[int, int]]
+    ) -> list[WorkBlock]:
+        """Matrix ``m``'s work: the whole matrix on its owner, or blocks along its long dim."""
+        size = plan.split_size(m)
+        if size == 1:
+            return [WorkBlock.whole(plan.owners[m], layout)]
+        rows, cols = layout.num_rows, layout.row_shape[0]
+        members = list(plan.members(m))
+        if split_dim_of_pieces(pieces) == 0:
+            return [
+                WorkBlock(rank, start, stop, 0, cols)
+                for rank, (start, stop) in zip(members, split_bounds(rows, size), strict=True)
+            ]
+        return [
+            WorkBlock(rank, 0, rows, start, stop)
+            for rank, (start, stop) in zip(members, split_bounds(cols, size), strict=True)
+        ]
+
+    def _split_groups(self, plan: OwnerPlan) -> dict[tuple[int, int], dist.ProcessGroup]:
+        """A process group per split block this rank belongs to, keyed ``(first rank, size)``.
+
+        Created in the same (sorted) order on every member, with local synchronization so ranks
+        outside a block (and other data-parallel groups) need not take part.
+        """
+        blocks = sorted({(plan.owners[m], plan.split_size(m)) for m in plan.split_matrices()})
+        if not blocks:
+            return {}
+        my_rank = dist.get_rank(self.dp_group)
+        global_ranks = dist.get_process_group_ranks(self.dp_group or dist.group.WORLD)
+        groups = {}
+        for first, size in blocks:
+            if not first <= my_rank < first + size:
+                continue
+            members = [global_ranks[r] for r in range(first, first + size)]
+            if members != sorted(members):
+                raise ValueError("split NS needs data-parallel ranks in increasing global order")
+            groups[(first, size)] = dist.new_group(members, use_local_synchronization=True)
+        return groups
 
     def _buckets(self, layouts: list[RowLayout]) -> list[list[int]]:
         """Consecutive matrices whose full fp32 bytes stay within ``bucket_size_bytes``."""
