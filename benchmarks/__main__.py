@@ -1,0 +1,541 @@
+"""``python -m benchmarks [--quick] [--out DIR] [--device cpu|cuda]``: our claims, measured.
+
+Measures, in one run, each comparison side by side (optimizers alternate step by step in the same
+processes; every time is the median of ``repeats`` steps after ``warmup`` steps, between barriers):
+
+1. Muon optimizer step, owner vs gather, at DP = 1, 2, 4 on Megatron-FSDP row shards of a small
+   transformer's weights (dense and MoE): time, gather/owner, per-rank NS FLOPs and bytes sent.
+2. Full training step (forward, backward, optimizer) of a Megatron-FSDP GPTModel, Muon vs AdamW.
+3. Our Muon step vs megatron-core ``TensorParallelMuon`` and emerging-optimizers ``Muon`` (DP = 1).
+4. Peak memory of a training step, Muon vs AdamW; peak transient memory of owner vs gather steps.
+5. Owner-mode step time as the hidden size doubles, and the fitted growth exponent.
+6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``).
+
+Writes ``DIR/results.json`` (default ``bench_out/``) and prints a table. On CPU each rank runs one
+thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one run, not absolute times.
+On GPUs (``--device cuda``, NCCL; bf16 model) it also reports NS TFLOP/s against the measured bf16
+matmul rate, and runs only the DP sizes that fit the visible GPUs (the JSON lists those skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import ns_methods
+from benchmarks.launcher import run_ranks
+from benchmarks.measure import growth_exponent
+from benchmarks.models import TransformerShapes
+from benchmarks.optimizer_step import (
+    MUON_KWARGS,
+    matmul_rate,
+    owner_vs_gather,
+    size_scaling,
+    stock_comparison,
+)
+from benchmarks.training_step import GPTSize, muon_vs_adamw_step, training_step_memory
+
+ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
+
+# Every figure the issue asks for, as dotted paths into results.json ("*" = every DP entry).
+REQUIRED_FIGURES = (
+    "optimizer_step.dense.by_dp.*.owner_s",
+    "optimizer_step.dense.by_dp.*.gather_s",
+    "optimizer_step.dense.by_dp.*.gather_over_owner",
+    "optimizer_step.dense.by_dp.*.owner.ns_flops_max",
+    "optimizer_step.dense.by_dp.*.owner.ns_flops_mean",
+    "optimizer_step.dense.by_dp.*.owner.bytes_sent_max",
+    "optimizer_step.dense.by_dp.*.owner.bytes_sent_mean",
+    "optimizer_step.dense.by_dp.*.gather.ns_flops_max",
+    "optimizer_step.dense.by_dp.*.gather.bytes_sent_max",
+    "optimizer_step.dense.by_dp.*.ns_flops_per_s_per_rank",
+    "optimizer_step.moe.by_dp.*.owner_s",
+    "optimizer_step.moe.by_dp.*.gather_s",
+    "optimizer_step.moe.by_dp.*.gather_over_owner",
+    "optimizer_step.moe.by_dp.*.owner.ns_flops_max",
+    "optimizer_step.moe.by_dp.*.owner.bytes_sent_max",
+    "optimizer_step.moe.by_dp.*.owner.bytes_sent_mean",
+    "training_step.muon_step_s",
+    "training_step.adamw_step_s",
+    "training_step.muon_over_adamw_step",
+    "training_step.muon_optimizer_s",
+    "training_step.adamw_optimizer_s",
+    "training_step.muon_over_adamw_optimizer",
+    "stock_comparison.ours_s",
+    "stock_comparison.tensor_parallel_muon_s",
+    "stock_comparison.emerging_muon_s",
+    "stock_comparison.tensor_parallel_muon_over_ours",
+    "stock_comparison.emerging_muon_over_ours",
+    "memory.training_step.muon_peak_bytes",
+    "memory.training_step.adamw_peak_bytes",
+    "memory.training_step.muon_over_adamw",
+    "memory.exchange_transient.*.*.owner_peak_step_bytes_max",
+    "memory.exchange_transient.*.*.gather_peak_step_bytes_max",
+    "memory.exchange_transient.*.*.owner_full_matrix_bytes_max",
+    "memory.exchange_transient.*.*.gather_full_matrix_bytes_max",
+    "memory.exchange_transient.*.*.gather_over_owner",
+    "scaling.hidden",
+    "scaling.seconds",
+    "scaling.growth_exponent",
+    "matmul_peak.flops_per_s",
+    "ns_methods",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Sizes and repeat counts of one benchmark run."""
+
+    dense: TransformerShapes
+    moe: TransformerShapes
+    dp_sizes: tuple[int, ...]
+    gpt: GPTSize
+    train_dp: int
+    scaling: tuple[TransformerShapes, ...]
+    scaling_dp: int
+    warmup: int
+    repeats: int
+    matmul_size: int
+    ns_methods_argv: tuple[str, ...]
+
+
+FULL = BenchConfig(
+    dense=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=2048),
+    # Fine-grained experts: 8 x 256 = the dense MLP's width, so both models have the same weights.
+    moe=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=256, num_experts=8),
+    dp_sizes=(1, 2, 4),
+    gpt=GPTSize(
+        num_layers=8,
+        hidden=512,
+        ffn_hidden=2048,
+        num_heads=8,
+        vocab_size=8192,
+        seq_length=256,
+        micro_batch=2,
+    ),
+    train_dp=2,
+    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (256, 512, 1024, 2048)),
+    scaling_dp=2,
+    warmup=1,
+    repeats=3,
+    matmul_size=2048,
+    ns_methods_argv=("--half",),
+)
+
+QUICK = BenchConfig(
+    dense=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=256),
+    moe=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=32, num_experts=8),
+    dp_sizes=(1, 2, 4),
+    gpt=GPTSize(
+        num_layers=2,
+        hidden=64,
+        ffn_hidden=256,
+        num_heads=4,
+        vocab_size=512,
+        seq_length=32,
+        micro_batch=2,
+    ),
+    train_dp=2,
+    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (32, 64, 128)),
+    scaling_dp=2,
+    warmup=1,
+    repeats=2,
+    matmul_size=256,
+    ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------------------------------
+
+
+def _max_mean(values: list[float]) -> tuple[float, float]:
+    return max(values), statistics.fmean(values)
+
+
+def _mode_summary(results: list[dict], mode: str) -> dict:
+    """Per-rank StepStats of one mode reduced to max and mean across ranks."""
+    summary: dict[str, float] = {}
+    for field in ("ns_flops", "bytes_sent", "bytes_received", "peak_full_matrix_bytes"):
+        high, mean = _max_mean([r["stats"][mode][field] for r in results])
+        summary[f"{field}_max"], summary[f"{field}_mean"] = high, mean
+    summary["num_collectives"] = results[0]["stats"][mode]["num_collectives"]
+    summary["peak_step_bytes_max"] = max(r["peak_step_bytes"][mode] for r in results)
+    return summary
+
+
+def optimizer_step_section(config: BenchConfig, device: str, dp_sizes: list[int]) -> dict:
+    """Section 1: owner vs gather at each DP size, dense and MoE."""
+    section = {}
+    for name, shapes in (("dense", config.dense), ("moe", config.moe)):
+        by_dp = {}
+        for dp in dp_sizes:
+            results = run_ranks(owner_vs_gather, dp, device, shapes, config.warmup, config.repeats)
+            # Every rank times the same barrier-to-barrier span; take the slowest rank's median.
+            owner_s = max(r["seconds"]["owner"] for r in results)
+            gather_s = max(r["seconds"]["gather"] for r in results)
+            owner = _mode_summary(results, "owner")
+            by_dp[str(dp)] = {
+                "owner_s": owner_s,
+                "gather_s": gather_s,
+                "gather_over_owner": gather_s / owner_s,
+                "owner": owner,
+                "gather": _mode_summary(results, "gather"),
+                "ns_flops_per_s_per_rank": owner["ns_flops_max"] / owner_s,
+            }
+        section[name] = {
+            "model": shapes.describe(),
+            "num_matrices": len(shapes.shapes()),
+            "num_params": shapes.num_params(),
+            "by_dp": by_dp,
+        }
+    return section
+
+
+def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]:
+    """Sections 2 and 4a: Muon vs AdamW whole step / optimizer step, and step peak memory."""
+    size, dp = config.gpt, config.train_dp
+    results = run_ranks(muon_vs_adamw_step, dp, device, size, config.warmup, config.repeats)
+    muon = {k: max(r["muon"][k] for r in results) for k in ("step_s", "optimizer_s")}
+    adamw = {k: max(r["adamw"][k] for r in results) for k in ("step_s", "optimizer_s")}
+    timing = {
+        "model": asdict(size),
+        "dp": dp,
+        "strategy": "optim_grads_params",
+        "tokens_per_rank": size.tokens_per_rank(),
+        "muon_step_s": muon["step_s"],
+        "adamw_step_s": adamw["step_s"],
+        "muon_over_adamw_step": muon["step_s"] / adamw["step_s"],
+        "muon_optimizer_s": muon["optimizer_s"],
+        "adamw_optimizer_s": adamw["optimizer_s"],
+        "muon_over_adamw_optimizer": muon["optimizer_s"] / adamw["optimizer_s"],
+        "muon_ns_flops_max": max(r["muon_ns_flops"] for r in results),
+        "anchor": ANCHOR,
+    }
+    memory = {"dp": dp, "measure": "RSS" if device == "cpu" else "max_memory_allocated"}
+    for kind in ("muon", "adamw"):
+        per_rank = run_ranks(training_step_memory, dp, device, size, kind)
+        # Training memory: the step's peak above the process's level before the model was built.
+        memory[f"{kind}_peak_bytes"] = max(r["step_peak"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_state_bytes"] = max(r["before_step"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
+    memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
+    return timing, memory
+
+
+def exchange_transient_section(optimizer_step: dict) -> dict:
+    """Section 4b: a step's peak memory above its start, owner vs gather (from section 1's runs)."""
+    section: dict[str, dict] = {}
+    for name, model in optimizer_step.items():
+        section[name] = {}
+        for dp, entry in model["by_dp"].items():
+            owner, gather = entry["owner"], entry["gather"]
+            section[name][dp] = {
+                "owner_peak_step_bytes_max": owner["peak_step_bytes_max"],
+                "gather_peak_step_bytes_max": gather["peak_step_bytes_max"],
+                "owner_full_matrix_bytes_max": owner["peak_full_matrix_bytes_max"],
+                "gather_full_matrix_bytes_max": gather["peak_full_matrix_bytes_max"],
+                "gather_over_owner": gather["peak_step_bytes_max"]
+                / max(1, owner["peak_step_bytes_max"]),
+            }
+    return section
+
+
+def stock_section(config: BenchConfig, device: str) -> dict:
+    """Section 3: ours vs TensorParallelMuon vs emerging-optimizers Muon on full params, DP = 1."""
+    (result,) = run_ranks(stock_comparison, 1, device, config.dense, config.warmup, config.repeats)
+    seconds = result["seconds"]
+    return {
+        "model": config.dense.describe(),
+        "ours_s": seconds["ours"],
+        "tensor_parallel_muon_s": seconds["tensor_parallel_muon"],
+        "emerging_muon_s": seconds["emerging_muon"],
+        "tensor_parallel_muon_over_ours": seconds["tensor_parallel_muon"] / seconds["ours"],
+        "emerging_muon_over_ours": seconds["emerging_muon"] / seconds["ours"],
+    }
+
+
+def scaling_section(config: BenchConfig, device: str) -> dict:
+    """Section 5: owner-mode step time as the hidden size doubles; fitted exponents."""
+    dp = config.scaling_dp
+    results = run_ranks(
+        size_scaling, dp, device, list(config.scaling), config.warmup, config.repeats
+    )
+    hidden = [row["hidden"] for row in results[0]["rows"]]
+    seconds = [max(r["rows"][i]["seconds"] for r in results) for i in range(len(hidden))]
+    flops = [sum(r["rows"][i]["ns_flops"] for r in results) for i in range(len(hidden))]
+    return {
+        "dp": dp,
+        "mode": "owner",
+        "model": f"{config.scaling[0].num_layers} layer(s), MLP = 4 x hidden",
+        "hidden": hidden,
+        "seconds": seconds,
+        "ns_flops_total": flops,
+        "growth_exponent": growth_exponent(hidden, seconds),
+        "growth_exponent_last_two": growth_exponent(hidden[-2:], seconds[-2:]),
+        "ns_flops_exponent": growth_exponent(hidden, flops),
+    }
+
+
+def ns_methods_section(config: BenchConfig, out_dir: Path) -> list:
+    """Section 6: Gram vs standard NS, by ``benchmarks.ns_methods`` (its table is printed too)."""
+    path = out_dir / "ns_methods.json"
+    status = ns_methods.main([*config.ns_methods_argv, "--json", str(path)])
+    if status != 0:
+        raise RuntimeError(f"benchmarks.ns_methods exited with status {status}")
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def _gflop(value: float) -> str:
+    return f"{value / 1e9:.1f}"
+
+
+def format_report(results: dict) -> str:
+    lines = []
+    meta = results["meta"]
+    lines.append(
+        f"megatron-muon benchmarks: {meta['device_name']}, {meta['date']}, "
+        f"{'quick' if meta['quick'] else 'full'} run, {meta['seconds']:.0f} s"
+    )
+    lines.append("")
+    lines.append("1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)")
+    header = (
+        f"{'model':>6} {'DP':>3} {'owner s':>9} {'gather s':>9} {'g/o':>6} "
+        f"{'NS GF max/mean (owner)':>23} {'NS GF (gather)':>15} "
+        f"{'sent MiB max/mean (owner)':>26} {'sent MiB (gather)':>18}"
+    )
+    lines.append(header)
+    for name, model in results["optimizer_step"].items():
+        for dp, e in model["by_dp"].items():
+            o, g = e["owner"], e["gather"]
+            lines.append(
+                f"{name:>6} {dp:>3} {e['owner_s']:>9.3f} {e['gather_s']:>9.3f} "
+                f"{e['gather_over_owner']:>5.2f}x "
+                f"{_gflop(o['ns_flops_max']) + ' / ' + _gflop(o['ns_flops_mean']):>23} "
+                f"{_gflop(g['ns_flops_max']):>15} "
+                f"{o['bytes_sent_max'] / 2**20:>12.1f} / {o['bytes_sent_mean'] / 2**20:<11.1f} "
+                f"{g['bytes_sent_max'] / 2**20:>18.1f}"
+            )
+    for name, model in results["optimizer_step"].items():
+        lines.append(f"   {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
+    lines.append("")
+    t = results["training_step"]
+    lines.append(
+        f"2. Training step, Muon vs AdamW (GPTModel, Megatron-FSDP {t['strategy']}, DP={t['dp']}, "
+        f"{t['tokens_per_rank']} tokens/rank)"
+    )
+    lines.append(
+        f"   whole step: Muon {t['muon_step_s']:.3f} s, AdamW {t['adamw_step_s']:.3f} s, "
+        f"Muon/AdamW {t['muon_over_adamw_step']:.2f}x"
+    )
+    lines.append(
+        f"   optimizer step: Muon {t['muon_optimizer_s']:.3f} s, AdamW "
+        f"{t['adamw_optimizer_s']:.3f} s, Muon/AdamW {t['muon_over_adamw_optimizer']:.2f}x"
+    )
+    lines.append(f"   anchor: {t['anchor']}")
+    lines.append("")
+    s = results["stock_comparison"]
+    lines.append(f"3. Muon step on full params, DP=1 ({s['model']})")
+    lines.append(
+        f"   ours {s['ours_s']:.3f} s, megatron-core TensorParallelMuon "
+        f"{s['tensor_parallel_muon_s']:.3f} s ({s['tensor_parallel_muon_over_ours']:.2f}x ours), "
+        f"emerging-optimizers Muon {s['emerging_muon_s']:.3f} s "
+        f"({s['emerging_muon_over_ours']:.2f}x ours)"
+    )
+    lines.append("")
+    m = results["memory"]["training_step"]
+    lines.append(f"4. Memory ({m['measure']}, per rank, max over ranks)")
+    lines.append(
+        f"   training step peak above start-up: Muon {_mb(m['muon_peak_bytes'])}, AdamW "
+        f"{_mb(m['adamw_peak_bytes'])}, Muon/AdamW {m['muon_over_adamw']:.3f} "
+        f"(model+grads+state before the step: Muon {_mb(m['muon_state_bytes'])}, "
+        f"AdamW {_mb(m['adamw_state_bytes'])})"
+    )
+    for name, by_dp in results["memory"]["exchange_transient"].items():
+        for dp, e in by_dp.items():
+            lines.append(
+                f"   {name} DP={dp} optimizer-step transient: owner "
+                f"{_mb(e['owner_peak_step_bytes_max'])} (full matrices "
+                f"{_mb(e['owner_full_matrix_bytes_max'])}), gather "
+                f"{_mb(e['gather_peak_step_bytes_max'])} (full matrices "
+                f"{_mb(e['gather_full_matrix_bytes_max'])}), gather/owner "
+                f"{e['gather_over_owner']:.2f}x"
+            )
+    lines.append("")
+    sc = results["scaling"]
+    lines.append(f"5. Owner-mode step vs hidden size (DP={sc['dp']}, {sc['model']})")
+    for h, sec in zip(sc["hidden"], sc["seconds"], strict=True):
+        lines.append(f"   hidden {h:>5}: {sec:.4f} s")
+    lines.append(
+        f"   growth exponent: {sc['growth_exponent']:.2f} over all sizes, "
+        f"{sc['growth_exponent_last_two']:.2f} over the last two (NS FLOPs grow as "
+        f"hidden^{sc['ns_flops_exponent']:.2f})"
+    )
+    peak = results["matmul_peak"]
+    lines.append("")
+    lines.append(
+        f"NS rate: measured bf16 matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s per rank "
+        f"({peak['size']}^3); owner-mode NS TFLOP/s per rank (dense, incl. communication): "
+        + ", ".join(
+            f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f}"
+            for dp, e in results["optimizer_step"]["dense"]["by_dp"].items()
+        )
+    )
+    lines.append("6. Gram vs standard NS: the benchmarks.ns_methods table above")
+    lines.append(f"results: {meta['results_path']}")
+    return "\n".join(lines)
+
+
+def missing_figures(results: dict) -> list[str]:
+    """Paths of ``REQUIRED_FIGURES`` absent from ``results`` (``*`` matches every key)."""
+    missing = []
+
+    def walk(node, parts: list[str], path: str) -> None:
+        if not parts:
+            return
+        head, rest = parts[0], parts[1:]
+        if head == "*":
+            if not isinstance(node, dict) or not node:
+                missing.append(path + ".*")
+                return
+            for key, child in node.items():
+                walk(child, rest, f"{path}.{key}")
+            return
+        if not isinstance(node, dict) or head not in node or node[head] is None:
+            missing.append(f"{path}.{head}".lstrip("."))
+            return
+        walk(node[head], rest, f"{path}.{head}")
+
+    for figure in REQUIRED_FIGURES:
+        walk(results, figure.split("."), "")
+    return missing
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, 1 thread per rank"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (~30 s)")
+    parser.add_argument("--out", default="bench_out", help="directory for results.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    config = QUICK if args.quick else FULL
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+
+    max_ranks = torch.cuda.device_count() if args.device == "cuda" else max(config.dp_sizes)
+    dp_sizes = [dp for dp in config.dp_sizes if dp <= max_ranks]
+    skipped = [dp for dp in config.dp_sizes if dp > max_ranks]
+    if config.train_dp > max_ranks or config.scaling_dp > max_ranks:
+        config = _fit_ranks(config, max_ranks)
+
+    results: dict = {}
+    section_seconds: dict[str, float] = {}
+
+    def timed_section(name: str, fn, *fn_args):
+        start = time.monotonic()
+        value = fn(*fn_args)
+        section_seconds[name] = time.monotonic() - start
+        return value
+
+    results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
+    results["optimizer_step"] = timed_section(
+        "optimizer_step", optimizer_step_section, config, args.device, dp_sizes
+    )
+    results["stock_comparison"] = timed_section("stock", stock_section, config, args.device)
+    training, training_memory = timed_section(
+        "training_step", training_step_section, config, args.device
+    )
+    results["training_step"] = training
+    results["memory"] = {
+        "training_step": training_memory,
+        "exchange_transient": exchange_transient_section(results["optimizer_step"]),
+    }
+    results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
+    (peak,) = run_ranks(matmul_rate, 1, args.device, config.matmul_size, 2 * config.repeats + 1)
+    results["matmul_peak"] = {"dtype": "bf16", **peak}
+    results["meta"] = {
+        "device": args.device,
+        "device_name": _device_name(args.device),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "git_commit": _git_commit(),
+        "muon_kwargs": MUON_KWARGS,
+        "warmup": config.warmup,
+        "repeats": config.repeats,
+        "dp_sizes": dp_sizes,
+        "dp_sizes_skipped_for_lack_of_devices": skipped,
+        "seconds": time.monotonic() - started,
+        "section_seconds": section_seconds,
+        "results_path": str(out_dir / "results.json"),
+    }
+    missing = missing_figures(results)
+    if missing:
+        raise RuntimeError(f"results lack figures: {missing}")
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print()
+    print(format_report(results))
+    return 0
+
+
+def _fit_ranks(config: BenchConfig, max_ranks: int) -> BenchConfig:
+    """The same config with the training and scaling runs on at most ``max_ranks`` ranks."""
+    from dataclasses import replace
+
+    return replace(
+        config,
+        train_dp=min(config.train_dp, max_ranks),
+        scaling_dp=min(config.scaling_dp, max_ranks),
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

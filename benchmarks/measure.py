@@ -1,0 +1,115 @@
+"""Timing and memory probes used inside benchmark ranks.
+
+Time: ``timed(fn)`` brackets ``fn`` with barriers (and a device synchronize on GPUs), so every rank
+reads the wall time of the whole collective step; the benchmarks take the median over repeats after
+warm-up.
+
+Memory: on CPU, peak resident set size (Linux ``VmHWM``, reset by writing 5 to
+``/proc/self/clear_refs``) minus the resident size just before; on GPUs, ``max_memory_allocated``
+minus ``memory_allocated`` before. glibc keeps freed heap memory resident (up to its dynamic mmap
+threshold, 32 MiB), which would hide a step's transient buffers, so ``return_freed_memory_to_os``
+makes every allocation of 64 KiB or more its own mapping, returned when freed; it is called only
+in the ranks (and phases) that measure memory, never before timing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MemoryProbe",
+    "growth_exponent",
+    "median",
+    "return_freed_memory_to_os",
+    "synchronize",
+    "timed",
+]
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter number (malloc.h)
+_MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, group: dist.ProcessGroup | None = None) -> float:
+    """Wall seconds of ``fn`` between two barriers over ``group`` (all ranks see the same span)."""
+    synchronize(device)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    dist.barrier(group=group)
+    return time.perf_counter() - start
+
+
+def return_freed_memory_to_os() -> None:
+    """Makes glibc map large allocations separately and release them on free (CPU memory probes)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
+    if libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed; CPU memory figures would be wrong")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class MemoryProbe:
+    """Peak memory above the level at ``start()``: RSS on CPU, allocated CUDA memory on GPUs."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.baseline = 0
+
+    def current(self) -> int:
+        """Bytes in use now (RSS, or CUDA memory allocated)."""
+        if self.device == "cuda":
+            return torch.cuda.memory_allocated()
+        return 1024 * _status_kib("VmRSS")
+
+    def start(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        self.baseline = self.current()
+
+    def peak(self) -> int:
+        """Absolute peak bytes since ``start()``."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return 1024 * _status_kib("VmHWM")
+
+    def peak_above_start(self) -> int:
+        return self.peak() - self.baseline
+
+
+def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """Least-squares slope of log(seconds) against log(size): time ~ size ** exponent."""
+    xs = [math.log(s) for s in sizes]
+    ys = [math.log(t) for t in seconds]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    num = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+    den = sum((x - mean_x) ** 2 for x in xs)
+    return num / den

@@ -1,0 +1,172 @@
+"""Optimizer-step benchmarks (run inside ranks): owner vs gather, ours vs stock, growth with size.
+
+Every function here is a rank body for ``benchmarks.launcher.run_ranks``: it builds the params,
+warms up, then alternates the optimizers being compared step by step (so machine noise hits both
+alike) and returns per-rank medians and ``StepStats``. Grads are fixed random tensors: the step's
+cost does not depend on their values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
+from benchmarks.models import ShapeModel, TransformerShapes, shard_like_megatron_fsdp
+
+__all__ = [
+    "MUON_KWARGS",
+    "owner_vs_gather",
+    "stock_comparison",
+    "size_scaling",
+]
+
+# Megatron-LM's effective Muon defaults (REFERENCE.md section 4): bf16 NS matmuls ("medium").
+MUON_KWARGS = dict(
+    lr=3e-4,
+    momentum=0.95,
+    nesterov=False,
+    weight_decay=0.01,
+    fp32_matmul_prec="medium",
+    coefficient_type="quintic",
+    num_ns_steps=5,
+    scale_mode="spectral",
+    tp_mode="blockwise",
+)
+
+
+def _sharded_params(shapes: TransformerShapes, world_size: int, device: str) -> list[torch.Tensor]:
+    """The Shard(0) DTensor params Megatron-FSDP hands the optimizer, with random row grads."""
+    from torch.distributed.tensor import DTensor
+
+    model = ShapeModel(shapes)
+    wrapped = shard_like_megatron_fsdp(model, world_size, torch.device(device))
+    params = list(wrapped.parameters())
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    for p in params:
+        local = p.to_local()
+        if local.shape[0] == 0:
+            p.grad = None  # what Megatron-FSDP leaves on a rank holding no rows
+            continue
+        grad = torch.randn(local.shape, generator=generator).to(local.device)
+        p.grad = DTensor.from_local(
+            grad, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return params
+
+
+def _time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
+    """Median step seconds of each optimizer, stepping them in turn (order rotated each round)."""
+    names = list(optimizers)
+    for _ in range(warmup):
+        for name in names:
+            optimizers[name].step()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds[name].append(timed(optimizers[name].step, device))
+    return {name: median(values) for name, values in seconds.items()}
+
+
+def _peak_step_memory(optimizers: dict, device: str) -> dict:
+    """Peak memory above the pre-step level during one step of each optimizer, bytes."""
+    if device == "cpu":
+        return_freed_memory_to_os()
+    probe = MemoryProbe(device)
+    peaks = {}
+    for name, optimizer in optimizers.items():
+        dist.barrier()
+        probe.start()
+        optimizer.step()
+        peaks[name] = probe.peak_above_start()
+        dist.barrier()
+    return peaks
+
+
+def owner_vs_gather(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: TransformerShapes,
+    warmup: int,
+    repeats: int,
+) -> dict:
+    """ShardedMuon owner vs gather on Megatron-FSDP row shards of ``shapes``: time, stats, bytes."""
+    from megatron_muon import ShardedMuon
+
+    params = _sharded_params(shapes, world_size, device)
+    optimizers = {
+        mode: ShardedMuon(params, mode=mode, **MUON_KWARGS) for mode in ("owner", "gather")
+    }
+    seconds = _time_alternating(optimizers, device, warmup, repeats)
+    stats = {mode: asdict(opt.step_stats) for mode, opt in optimizers.items()}
+    memory = _peak_step_memory(optimizers, device)
+    return {"seconds": seconds, "stats": stats, "peak_step_bytes": memory}
+
+
+def stock_comparison(
+    rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
+) -> dict:
+    """ShardedMuon vs megatron-core TensorParallelMuon vs emerging-optimizers Muon, full params.
+
+    One rank (``world_size == 1``); each optimizer has its own copy of the same params and grads.
+    """
+    from emerging_optimizers.orthogonalized_optimizers.muon import Muon
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_muon import ShardedMuon
+
+    if world_size != 1:
+        raise ValueError(f"the stock comparison runs on one rank, got {world_size}")
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(*shape, generator=generator).to(device) for shape in shapes.shapes()]
+    grads = [torch.randn(*shape, generator=generator).to(device) for shape in shapes.shapes()]
+
+    def copies() -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(f.clone()) for f in fulls]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        return params
+
+    emerging_kwargs = {k: v for k, v in MUON_KWARGS.items() if k != "tp_mode"}
+    optimizers = {
+        "ours": ShardedMuon(copies(), **MUON_KWARGS),
+        "tensor_parallel_muon": TensorParallelMuon(copies(), **MUON_KWARGS),
+        "emerging_muon": Muon(copies(), **emerging_kwargs),
+    }
+    return {"seconds": _time_alternating(optimizers, device, warmup, repeats)}
+
+
+def size_scaling(
+    rank: int,
+    world_size: int,
+    device: str,
+    shape_list: list[TransformerShapes],
+    warmup: int,
+    repeats: int,
+) -> dict:
+    """Owner-mode step seconds and NS FLOPs for each model size, on Megatron-FSDP row shards."""
+    from megatron_muon import ShardedMuon
+
+    rows = []
+    for shapes in shape_list:
+        params = _sharded_params(shapes, world_size, device)
+        optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
+        seconds = _time_alternating({"owner": optimizer}, device, warmup, repeats)["owner"]
+        rows.append(
+            {"hidden": shapes.hidden, "seconds": seconds, "ns_flops": optimizer.step_stats.ns_flops}
+        )
+        del optimizer, params
+    return {"rows": rows}
+
+
+def matmul_rate(rank: int, world_size: int, device: str, size: int, repeats: int) -> dict:
+    """Measured bf16 matmul FLOP/s of one rank (one thread on CPU): the NS efficiency baseline."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    a @ b
+    seconds = median([timed(lambda: a @ b, device) for _ in range(repeats)])
+    return {"size": size, "flops_per_s": 2 * size**3 / seconds}

@@ -1,0 +1,44 @@
+"""`python -m benchmarks --quick` runs end to end and its results.json holds every figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmark_writes_every_required_figure(tmp_path):
+    from benchmarks.__main__ import REQUIRED_FIGURES, missing_figures
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert missing_figures(results) == []
+    assert len(REQUIRED_FIGURES) >= 30
+    assert sorted(results["optimizer_step"]["dense"]["by_dp"]) == ["1", "2", "4"]
+    for model in ("dense", "moe"):
+        by_dp = results["optimizer_step"][model]["by_dp"]
+        # gather repeats every matrix's NS on every rank; owner splits it
+        assert by_dp["4"]["gather"]["ns_flops_max"] > by_dp["4"]["owner"]["ns_flops_max"]
+        assert by_dp["1"]["owner"]["bytes_sent_max"] == 0
+    assert results["ns_methods"], "the Gram vs standard table is empty"
+    assert "Muon/AdamW" in completed.stdout
+
+
+def test_missing_figures_names_what_is_absent():
+    from benchmarks.__main__ import missing_figures
+
+    results = {"optimizer_step": {"dense": {"by_dp": {"2": {"owner_s": 1.0}}}}}
+    missing = missing_figures(results)
+    assert "optimizer_step.dense.by_dp.2.gather_s" in missing
+    assert "training_step.muon_step_s" in missing
+    assert "optimizer_step.moe" in missing
