@@ -107,6 +107,7 @@ def plan_split_owners(
     max_split: int = 16,
     tolerance: float = 1.05,
     slack: float = 0.01,
+    min_split_cost: int = 10**11,
     num_targets: int = 12,
 ) -> OwnerPlan:
     """``plan_owners``, splitting the largest matrices' NS over small aligned blocks where it helps.
@@ -132,6 +133,9 @@ def plan_split_owners(
         max_split: largest block of ranks one matrix may be split over (a power of two).
         tolerance: max/mean load under which the unsplit plan is kept as is.
         slack: relative makespan a plan may give up for less splitting.
+        min_split_cost: matrices cheaper than this are never split. A split adds ``1 + 2 *
+            num_ns_steps`` collectives per piece (tens of microseconds each); 1e11 FLOPs is about
+            a quarter of a millisecond of bf16 NS on an H100.
         num_targets: target loads tried per granularity (planning time grows linearly with it).
 
     Returns:
@@ -152,7 +156,9 @@ def plan_split_owners(
     splittable = [
         i
         for i, pieces in enumerate(split_pieces)
-        if pieces is not None and costs[i] > 0 and split_dim_of_pieces(pieces) is not None
+        if pieces is not None
+        and costs[i] >= max(min_split_cost, 1)
+        and split_dim_of_pieces(pieces) is not None
     ]
     if not sizes or not splittable or best.max_over_mean <= tolerance:
         return best

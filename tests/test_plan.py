@@ -102,7 +102,7 @@ def test_plan_max_load_is_within_four_thirds_of_the_brute_force_optimum():
         assert max(owners.loads) <= 4 / 3 * optimum
         assert sum(owners.loads) == sum(costs)
         pieces = [[shape] for shape in shapes]
-        split = plan_split_owners(costs, group_size, pieces, 5, tolerance=1.0)
+        split = plan_split_owners(costs, group_size, pieces, 5, tolerance=1.0, min_split_cost=0)
         _check_plan_consistent(split, costs, pieces, group_size, 5)
         assert max(split.loads) <= max(owners.loads)  # splitting never makes the plan worse
 
@@ -113,7 +113,7 @@ def test_split_plan_balances_when_one_matrix_dominates():
     costs = [ns_flops(r, c, 5) for r, c in costs_shapes]
     pieces = [[s] for s in costs_shapes]
     unsplit = plan_owners(costs, 16)
-    split = plan_split_owners(costs, 16, pieces, 5)
+    split = plan_split_owners(costs, 16, pieces, 5, min_split_cost=0)
     _check_plan_consistent(split, costs, pieces, 16, 5)
     assert split.split_size(0) == max(split.split_size(i) for i in range(len(costs))) > 1
     assert max(split.loads) < 0.5 * max(unsplit.loads)

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from megatron_muon.plan.models import PRESETS, Parallelism, load_model_config
+from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
 from megatron_muon.plan.report import analyze, format_report
 
 _NS_BYTES = {"medium": 2, "high": 4, "highest": 4}
@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-split", type=int, default=16, help="largest rank block one matrix's NS may use"
     )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        help="owner exchange bucket bound (ShardedMuon bucket_size_bytes) in MiB; default: none",
+    )
     parser.add_argument("--json", help="also write the figures as JSON to this path ('-': stdout)")
     return parser
 
@@ -50,19 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = _parser().parse_args(argv)
     spec = PRESETS[args.model] if args.model else load_model_config(args.config)
-    ep = args.ep
-    if ep is None:
-        ep = spec.default_ep if spec.num_experts else 1
-        while ep > 1 and (args.dp * args.tp) % (ep * args.tp):
-            ep //= 2  # the preset's EP does not fit this small a layout
     try:
-        parallel = Parallelism(dp=args.dp, tp=args.tp, ep=ep, expt_dp=args.expt_dp)
+        parallel = default_parallelism(spec, args.dp, args.tp, args.ep, args.expt_dp)
         report = analyze(
             spec,
             parallel,
             num_ns_steps=args.ns_steps,
             ns_bytes=_NS_BYTES[args.matmul_prec],
             max_split=args.max_split,
+            bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -37,6 +37,7 @@ __all__ = [
     "ModelSpec",
     "MuonParams",
     "Parallelism",
+    "default_parallelism",
     "load_model_config",
     "muon_matrices",
 ]
@@ -343,3 +344,14 @@ def muon_matrices(spec: ModelSpec, parallel: Parallelism) -> MuonParams:
             shared = spec.moe_shared_expert_intermediate_size
             dense += _mlp(spec, shared, tp, f"{prefix}.mlp.shared_experts", layer)
     return MuonParams(dense=tuple(dense), experts=tuple(experts))
+
+
+def default_parallelism(
+    spec: ModelSpec, dp: int, tp: int = 1, ep: int | None = None, expt_dp: int | None = None
+) -> Parallelism:
+    """``Parallelism`` with ``ep`` defaulting to the preset's, halved until it fits ``dp x tp``."""
+    if ep is None:
+        ep = spec.default_ep if spec.num_experts else 1
+        while ep > 1 and (dp * tp) % (ep * tp):
+            ep //= 2
+    return Parallelism(dp=dp, tp=tp, ep=ep, expt_dp=expt_dp)

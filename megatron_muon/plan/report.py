@@ -59,6 +59,7 @@ class PlanReport:
     num_expert_matrices: int
     num_ns_steps: int
     ns_bytes: int
+    bucket_bytes: int | None
     own_shard_bytes_max: int
     own_shard_bytes_mean: float
     planner_seconds: float
@@ -90,6 +91,7 @@ def analyze(
     num_ns_steps: int = 5,
     ns_bytes: int = 2,
     max_split: int = 16,
+    bucket_bytes: int | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> PlanReport:
     """Builds the Muon matrices, their FSDP layout, and every strategy's figures."""
@@ -98,13 +100,13 @@ def analyze(
     if params.dense:
         groups["dense"] = GroupInput(
             params.dense, layout_rows(params.dense, parallel.dp), parallel.dp,
-            num_ns_steps, ns_bytes, max_split,
+            num_ns_steps, ns_bytes, max_split, bucket_bytes,
         )  # fmt: skip
     if params.experts:
         size = parallel.expert_dp
         groups["experts"] = GroupInput(
             params.experts, layout_rows(params.experts, size), size,
-            num_ns_steps, ns_bytes, max_split,
+            num_ns_steps, ns_bytes, max_split, bucket_bytes,
         )  # fmt: skip
     world = np.arange(parallel.world_size)
     index = {
@@ -163,6 +165,7 @@ def analyze(
         num_expert_matrices=len(params.experts),
         num_ns_steps=num_ns_steps,
         ns_bytes=ns_bytes,
+        bucket_bytes=bucket_bytes,
         own_shard_bytes_max=int(own.max()),
         own_shard_bytes_mean=float(own.mean()),
         planner_seconds=planner_seconds,
@@ -185,7 +188,9 @@ def format_report(report: PlanReport) -> str:
     lines = [
         f"{report.model}: DP {report.dp}, TP {report.tp}; Muon matrices per rank: "
         f"{report.num_dense_matrices} dense over DP{experts}",
-        f"NS {report.num_ns_steps} steps, {report.ns_bytes}-byte NS dtype; own fp32 momentum "
+        f"NS {report.num_ns_steps} steps, {report.ns_bytes}-byte NS dtype; exchange bucket "
+        f"{'unbounded' if report.bucket_bytes is None else _mb(report.bucket_bytes) + ' MiB'}; "
+        "own fp32 momentum "
         f"shard per GPU: max {_mb(report.own_shard_bytes_max)} MiB, "
         f"mean {_mb(report.own_shard_bytes_mean)} MiB",
         "",

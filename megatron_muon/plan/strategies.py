@@ -55,6 +55,8 @@ class GroupInput:
         num_ns_steps: NS iterations.
         ns_bytes: bytes per element inside NS (2 under "medium" precision, 4 otherwise).
         max_split: largest rank block one matrix's NS may be split over (ours).
+        bucket_bytes: owner strategies exchange consecutive matrices whose full fp32 bytes fit
+            this bound at once (``ShardedMuon(bucket_size_bytes=...)``); ``None``: all at once.
     """
 
     matrices: Sequence[Matrix]
@@ -63,6 +65,25 @@ class GroupInput:
     num_ns_steps: int = 5
     ns_bytes: int = 2
     max_split: int = 16
+    bucket_bytes: int | None = None
+
+    def buckets(self) -> list[list[int]]:
+        """As ``ShardedMuon._buckets``: consecutive matrices within ``bucket_bytes`` fp32 bytes."""
+        if self.bucket_bytes is None:
+            return [list(range(len(self.matrices)))] if self.matrices else []
+        buckets: list[list[int]] = []
+        current: list[int] = []
+        current_bytes = 0
+        for index, matrix in enumerate(self.matrices):
+            size = _EXCHANGE_BYTES * matrix.shape[0] * matrix.shape[1]
+            if current and current_bytes + size > self.bucket_bytes:
+                buckets.append(current)
+                current, current_bytes = [], 0
+            current.append(index)
+            current_bytes += size
+        if current:
+            buckets.append(current)
+        return buckets
 
     def cost(self, index: int) -> int:
         """NS FLOPs of matrix ``index``: the sum over its pieces (Q, K, V apart)."""
@@ -179,52 +200,71 @@ def _dion(group: GroupInput) -> GroupCost:
 def _owner_exchange(strategy: str, group: GroupInput, plan: OwnerPlan) -> GroupCost:
     """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange."""
     flops = np.asarray(plan.loads, dtype=np.int64)
-    sent, staged, held = _zeros(group), _zeros(group), _zeros(group)
-    workspace = _zeros(group)
-    collectives = _zeros(group) + 3  # grad-flag all_reduce + all_to_all there and back
-    for i, matrix in enumerate(group.matrices):
-        rows, cols = matrix.shape
-        own = group.rows[i] * cols * _EXCHANGE_BYTES
-        members = plan.members(i)
-        parts = len(members)
-        if parts == 1:
-            owner = members[0]
-            out = own.copy()
-            out[owner] = rows * cols * _EXCHANGE_BYTES - own[owner]
+    sent, peak, workspace = _zeros(group), _zeros(group), _zeros(group)
+    buckets = group.buckets()
+    # grad-flag all_reduce, then per bucket one all_to_all there and one back
+    collectives = _zeros(group) + 1 + 2 * len(buckets)
+    for bucket in buckets:
+        staged, held = _zeros(group), _zeros(group)
+        for i in bucket:
+            out, keep, extra = _matrix_exchange(group, plan, i, workspace, collectives)
             sent += out
-            staged += own
-            staged[owner] -= own[owner]
-            held[owner] += rows * cols * _EXCHANGE_BYTES
-            workspace[owner] = max(workspace[owner], group.workspace(matrix.pieces))
-            continue
-        # Split: member j receives block j along the split dim from every holder, and back.
-        dim = split_dim_of_pieces(matrix.pieces)
-        assert dim is not None
-        out = own.copy()
-        bounds = split_bounds(matrix.shape[dim], parts)
-        offsets = np.concatenate([[0], np.cumsum(group.rows[i])[:-1]])
-        for j, rank in enumerate(members):
-            lo, hi = bounds[j]
-            if dim == 1:
-                kept = group.rows[i][rank] * (hi - lo)  # own rows of its own column block
-                incoming = (rows - group.rows[i][rank]) * (hi - lo)
-            else:
-                start = offsets[rank]
-                kept = max(0, min(hi, start + group.rows[i][rank]) - max(lo, start)) * cols
-                incoming = (hi - lo) * cols - kept
-            out[rank] = own[rank] - kept * _EXCHANGE_BYTES + incoming * _EXCHANGE_BYTES
-            held[rank] += (hi - lo) * (cols if dim == 0 else rows) * _EXCHANGE_BYTES
-            wire = 0
-            for piece_rows, piece_cols in matrix.pieces:
-                k = min(piece_rows, piece_cols)
-                gram = k * k * group.ns_bytes
-                gather = (parts - 1) * -(-k // parts) * k * group.ns_bytes
-                wire += group.num_ns_steps * (2 * gram * (parts - 1) // parts + gather)
-            out[rank] += wire
-            collectives[rank] += len(matrix.pieces) * (1 + 2 * group.num_ns_steps)
-            workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
-        staged += own
-        sent += out
-    peak = staged + held + workspace
+            staged += keep
+            held += extra
+        peak = np.maximum(peak, staged + held)
     useful = sum(group.cost(i) for i in range(len(group.matrices)))
-    return GroupCost(strategy, flops, sent, sent.copy(), peak, collectives, useful, plan)
+    return GroupCost(
+        strategy, flops, sent, sent.copy(), peak + workspace, collectives, useful, plan
+    )
+
+
+def _matrix_exchange(
+    group: GroupInput,
+    plan: OwnerPlan,
+    i: int,
+    workspace: np.ndarray,
+    collectives: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes each rank sends for matrix ``i`` (there and back), stages, and holds full.
+
+    Updates ``workspace`` (NS working set) and ``collectives`` (split NS) in place.
+    """
+    matrix = group.matrices[i]
+    rows, cols = matrix.shape
+    own = group.rows[i] * cols * _EXCHANGE_BYTES
+    staged = own.copy()
+    held = _zeros(group)
+    members = plan.members(i)
+    parts = len(members)
+    out = own.copy()
+    if parts == 1:
+        owner = members[0]
+        out[owner] = rows * cols * _EXCHANGE_BYTES - own[owner]
+        staged[owner] = 0
+        held[owner] = rows * cols * _EXCHANGE_BYTES
+        workspace[owner] = max(workspace[owner], group.workspace(matrix.pieces))
+        return out, staged, held
+    # Split: member j receives block j along the split dim from every holder, and sends it back.
+    dim = split_dim_of_pieces(matrix.pieces)
+    assert dim is not None
+    bounds = split_bounds(matrix.shape[dim], parts)
+    offsets = np.concatenate([[0], np.cumsum(group.rows[i])[:-1]])
+    for j, rank in enumerate(members):
+        lo, hi = bounds[j]
+        if dim == 1:
+            kept = group.rows[i][rank] * (hi - lo)  # its own rows of its column block
+            incoming = (rows - group.rows[i][rank]) * (hi - lo)
+        else:
+            start = offsets[rank]
+            kept = max(0, min(hi, start + group.rows[i][rank]) - max(lo, start)) * cols
+            incoming = (hi - lo) * cols - kept
+        out[rank] = own[rank] + (incoming - kept) * _EXCHANGE_BYTES
+        held[rank] = (hi - lo) * (cols if dim == 0 else rows) * _EXCHANGE_BYTES
+        for piece_rows, piece_cols in matrix.pieces:
+            k = min(piece_rows, piece_cols)
+            gram = k * k * group.ns_bytes  # all_reduce of A, then all_gather of B's row blocks
+            gather = (parts - 1) * -(-k // parts) * k * group.ns_bytes
+            out[rank] += group.num_ns_steps * (2 * gram * (parts - 1) // parts + gather)
+        collectives[rank] += len(matrix.pieces) * (1 + 2 * group.num_ns_steps)
+        workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
+    return out, staged, held
