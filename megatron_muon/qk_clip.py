@@ -29,7 +29,11 @@ own rows with the matching slice of the per-row scales. The max logits are all-r
 the data-parallel group first, since its ranks saw different tokens and must agree on ``eta``.
 
 Call ``QKClip.clip()`` after ``optimizer.step()`` on the params the optimizer updated (under
-Megatron-FSDP: before the updated weights are installed into the compute buffers).
+Megatron-FSDP: before the updated weights are installed into the compute buffers). Under
+Megatron-FSDP, build ``QKClip`` when the optimizer is built, before the first forward: the default
+``params`` are read from the modules then, while they are the DTensor row shards the optimizer
+updates (a forward swaps in the unsharded compute weights, which the next install overwrites); or
+pass the optimizer's params explicitly.
 """
 
 from __future__ import annotations

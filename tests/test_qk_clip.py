@@ -214,6 +214,67 @@ def test_sharded_on_two_ranks_equals_unsharded(splits: list[int]) -> None:
         torch.testing.assert_close(mine, single["locals"][index], atol=1e-6, rtol=1e-6)
 
 
+class _AttentionModel(torch.nn.Module):
+    """The attention layer as a model Megatron-FSDP can wrap (``forward(x, mask)``)."""
+
+    def __init__(self, attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, attention_mask=mask)[0]
+
+
+def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) -> dict:
+    """The layer wrapped by Megatron-FSDP; rank r forwards batch entries r::world_size."""
+    import megatron_fsdp
+    from megatron.core.transformer.attention import SelfAttention
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_muon.qk_clip import QKClip, find_self_attentions
+
+    attention = _build_attention(num_query_groups=2)
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+    wrapped = megatron_fsdp.fully_shard_model(
+        _AttentionModel(attention),
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        tp_dim="tp",
+        device=torch.device("cpu"),
+        zero_dp_strategy=strategy,
+        fsdp_unit_modules=[SelfAttention],
+    )
+    # Built before the first forward, like the optimizer: the modules' params are then the
+    # DTensor row shards (the forward swaps in full compute weights).
+    clip = QKClip(find_self_attentions([wrapped]), tau, group=torch.distributed.group.WORLD)
+    x, mask = _inputs()
+    wrapped(x[:, rank::world_size], mask)
+    stats = clip.clip()
+    wrapped.install_optimized_model_weights()
+    wrapped(x[:, rank::world_size], mask)
+    shards = []
+    for param in clip.params[0]:
+        local = param.to_local().detach().clone()
+        row_numel = max(1, local.shape[1:].numel())
+        shards.append((param.megatron_fsdp_slice.start // row_numel, local))
+    return {"stats": stats, "shards": shards, "after": clip.max_logits()[0]}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_megatron_fsdp_row_shards_equal_unsharded(strategy: str) -> None:
+    """Under real Megatron-FSDP (uneven row shards of qkv weight and bias, located by
+    ``megatron_fsdp_slice``), each rank's clipped rows equal the unsharded clip's rows, and after
+    the weights are installed the next forward's max logits are at most tau."""
+    tau = 0.6
+    [single] = run_on_ranks(_run_sharded, 1, [64], tau)
+    for rank_result in run_on_ranks(_run_megatron_fsdp, 2, strategy, tau):
+        assert rank_result["stats"].num_clipped_heads == single["stats"].num_clipped_heads == 3
+        for (start, local), full in zip(rank_result["shards"], single["locals"], strict=True):
+            expected = full[start : start + local.shape[0]]
+            torch.testing.assert_close(local, expected, atol=1e-6, rtol=1e-6)
+        assert float(rank_result["after"].max()) <= tau + 1e-5
+
+
 def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
     from megatron_muon.qk_clip import QKClip
 
