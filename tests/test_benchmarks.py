@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_quick_benchmark_writes_every_required_figure(tmp_path):
-    from benchmarks.__main__ import REQUIRED_FIGURES, missing_figures
+    from benchmarks.report import REQUIRED_FIGURES, missing_figures
 
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
@@ -35,7 +35,7 @@ def test_quick_benchmark_writes_every_required_figure(tmp_path):
 
 
 def test_missing_figures_names_what_is_absent():
-    from benchmarks.__main__ import missing_figures
+    from benchmarks.report import missing_figures
 
     results = {"optimizer_step": {"dense": {"by_dp": {"2": {"owner_s": 1.0}}}}}
     missing = missing_figures(results)

@@ -1,0 +1,398 @@
+"""What a benchmark run must contain, and how it is shown: terminal table and Markdown.
+
+``python -m benchmarks.report [bench_out/results.json]`` prints the Markdown tables that
+``docs/benchmarks.md`` records.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+__all__ = ["ANCHOR", "REQUIRED_FIGURES", "format_markdown", "format_report", "missing_figures"]
+
+ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
+
+# Every figure the issue asks for, as dotted paths into results.json ("*" = every DP entry).
+REQUIRED_FIGURES = (
+    "optimizer_step.dense.by_dp.*.owner_s",
+    "optimizer_step.dense.by_dp.*.gather_s",
+    "optimizer_step.dense.by_dp.*.gather_over_owner",
+    "optimizer_step.dense.by_dp.*.owner.ns_flops_max",
+    "optimizer_step.dense.by_dp.*.owner.ns_flops_mean",
+    "optimizer_step.dense.by_dp.*.owner.bytes_sent_max",
+    "optimizer_step.dense.by_dp.*.owner.bytes_sent_mean",
+    "optimizer_step.dense.by_dp.*.gather.ns_flops_max",
+    "optimizer_step.dense.by_dp.*.gather.bytes_sent_max",
+    "optimizer_step.dense.by_dp.*.ns_flops_per_s_per_rank",
+    "optimizer_step.moe.by_dp.*.owner_s",
+    "optimizer_step.moe.by_dp.*.gather_s",
+    "optimizer_step.moe.by_dp.*.gather_over_owner",
+    "optimizer_step.moe.by_dp.*.owner.ns_flops_max",
+    "optimizer_step.moe.by_dp.*.owner.bytes_sent_max",
+    "optimizer_step.moe.by_dp.*.owner.bytes_sent_mean",
+    "training_step.muon_step_s",
+    "training_step.adamw_step_s",
+    "training_step.muon_over_adamw_step",
+    "training_step.muon_optimizer_s",
+    "training_step.adamw_optimizer_s",
+    "training_step.muon_over_adamw_optimizer",
+    "stock_comparison.ours_s",
+    "stock_comparison.tensor_parallel_muon_s",
+    "stock_comparison.emerging_muon_s",
+    "stock_comparison.tensor_parallel_muon_over_ours",
+    "stock_comparison.emerging_muon_over_ours",
+    "memory.training_step.muon_peak_bytes",
+    "memory.training_step.adamw_peak_bytes",
+    "memory.training_step.muon_over_adamw",
+    "memory.exchange_transient.*.*.owner_peak_step_bytes_max",
+    "memory.exchange_transient.*.*.gather_peak_step_bytes_max",
+    "memory.exchange_transient.*.*.owner_full_matrix_bytes_max",
+    "memory.exchange_transient.*.*.gather_full_matrix_bytes_max",
+    "memory.exchange_transient.*.*.gather_over_owner",
+    "scaling.hidden",
+    "scaling.seconds",
+    "scaling.growth_exponent",
+    "matmul_peak.flops_per_s",
+    "ns_methods",
+)
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def _gflop(value: float) -> str:
+    return f"{value / 1e9:.1f}"
+
+
+def format_report(results: dict) -> str:
+    lines = []
+    meta = results["meta"]
+    lines.append(
+        f"megatron-muon benchmarks: {meta['device_name']}, {meta['date']}, "
+        f"{'quick' if meta['quick'] else 'full'} run, {meta['seconds']:.0f} s"
+    )
+    lines.append("")
+    lines.append("1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)")
+    header = (
+        f"{'model':>6} {'DP':>3} {'owner s':>9} {'gather s':>9} {'g/o':>6} "
+        f"{'NS GF max/mean (owner)':>23} {'NS GF (gather)':>15} "
+        f"{'sent MiB max/mean (owner)':>26} {'sent MiB (gather)':>18}"
+    )
+    lines.append(header)
+    for name, model in results["optimizer_step"].items():
+        for dp, e in model["by_dp"].items():
+            o, g = e["owner"], e["gather"]
+            lines.append(
+                f"{name:>6} {dp:>3} {e['owner_s']:>9.3f} {e['gather_s']:>9.3f} "
+                f"{e['gather_over_owner']:>5.2f}x "
+                f"{_gflop(o['ns_flops_max']) + ' / ' + _gflop(o['ns_flops_mean']):>23} "
+                f"{_gflop(g['ns_flops_max']):>15} "
+                f"{o['bytes_sent_max'] / 2**20:>12.1f} / {o['bytes_sent_mean'] / 2**20:<11.1f} "
+                f"{g['bytes_sent_max'] / 2**20:>18.1f}"
+            )
+    for name, model in results["optimizer_step"].items():
+        lines.append(f"   {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
+    lines.append("")
+    t = results["training_step"]
+    lines.append(
+        f"2. Training step, Muon vs AdamW (GPTModel, Megatron-FSDP {t['strategy']}, DP={t['dp']}, "
+        f"{t['tokens_per_rank']} tokens/rank)"
+    )
+    lines.append(
+        f"   whole step: Muon {t['muon_step_s']:.3f} s, AdamW {t['adamw_step_s']:.3f} s, "
+        f"Muon/AdamW {t['muon_over_adamw_step']:.2f}x"
+    )
+    lines.append(
+        f"   optimizer step: Muon {t['muon_optimizer_s']:.3f} s, AdamW "
+        f"{t['adamw_optimizer_s']:.3f} s, Muon/AdamW {t['muon_over_adamw_optimizer']:.2f}x"
+    )
+    lines.append(f"   anchor: {t['anchor']}")
+    lines.append("")
+    s = results["stock_comparison"]
+    lines.append(f"3. Muon step on full params, DP=1 ({s['model']})")
+    lines.append(
+        f"   ours {s['ours_s']:.3f} s, megatron-core TensorParallelMuon "
+        f"{s['tensor_parallel_muon_s']:.3f} s ({s['tensor_parallel_muon_over_ours']:.2f}x ours), "
+        f"emerging-optimizers Muon {s['emerging_muon_s']:.3f} s "
+        f"({s['emerging_muon_over_ours']:.2f}x ours)"
+    )
+    lines.append("")
+    m = results["memory"]["training_step"]
+    lines.append(f"4. Memory ({m['measure']}, per rank, max over ranks)")
+    lines.append(
+        f"   training step peak above start-up: Muon {_mb(m['muon_peak_bytes'])}, AdamW "
+        f"{_mb(m['adamw_peak_bytes'])}, Muon/AdamW {m['muon_over_adamw']:.3f} "
+        f"(model+grads+state before the step: Muon {_mb(m['muon_state_bytes'])}, "
+        f"AdamW {_mb(m['adamw_state_bytes'])})"
+    )
+    for name, by_dp in results["memory"]["exchange_transient"].items():
+        for dp, e in by_dp.items():
+            lines.append(
+                f"   {name} DP={dp} optimizer-step transient: owner "
+                f"{_mb(e['owner_peak_step_bytes_max'])} (full matrices "
+                f"{_mb(e['owner_full_matrix_bytes_max'])}), gather "
+                f"{_mb(e['gather_peak_step_bytes_max'])} (full matrices "
+                f"{_mb(e['gather_full_matrix_bytes_max'])}), gather/owner "
+                f"{e['gather_over_owner']:.2f}x"
+            )
+    lines.append("")
+    sc = results["scaling"]
+    lines.append(f"5. Owner-mode step vs hidden size (DP={sc['dp']}, {sc['model']})")
+    for h, sec in zip(sc["hidden"], sc["seconds"], strict=True):
+        lines.append(f"   hidden {h:>5}: {sec:.4f} s")
+    lines.append(
+        f"   growth exponent: {sc['growth_exponent']:.2f} over all sizes, "
+        f"{sc['growth_exponent_last_two']:.2f} over the last two (NS FLOPs grow as "
+        f"hidden^{sc['ns_flops_exponent']:.2f})"
+    )
+    peak = results["matmul_peak"]
+    lines.append("")
+    lines.append(
+        f"NS rate: measured bf16 matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s per rank "
+        f"({peak['size']}^3); owner-mode NS TFLOP/s per rank (dense, incl. communication): "
+        + ", ".join(
+            f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f}"
+            for dp, e in results["optimizer_step"]["dense"]["by_dp"].items()
+        )
+    )
+    lines.append("6. Gram vs standard NS: the benchmarks.ns_methods table above")
+    lines.append(f"results: {meta['results_path']}")
+    return "\n".join(lines)
+
+
+def missing_figures(results: dict) -> list[str]:
+    """Paths of ``REQUIRED_FIGURES`` absent from ``results`` (``*`` matches every key)."""
+    missing = []
+
+    def walk(node, parts: list[str], path: str) -> None:
+        if not parts:
+            return
+        head, rest = parts[0], parts[1:]
+        if head == "*":
+            if not isinstance(node, dict) or not node:
+                missing.append(path + ".*")
+                return
+            for key, child in node.items():
+                walk(child, rest, f"{path}.{key}")
+            return
+        if not isinstance(node, dict) or head not in node or node[head] is None:
+            missing.append(f"{path}.{head}".lstrip("."))
+            return
+        walk(node[head], rest, f"{path}.{head}")
+
+    for figure in REQUIRED_FIGURES:
+        walk(results, figure.split("."), "")
+    return missing
+
+
+def _row(cells: list[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
+
+
+def format_markdown(results: dict) -> str:
+    """The run as Markdown tables (what docs/benchmarks.md records)."""
+    meta = results["meta"]
+    out = [
+        f"Device: {meta['device_name']}. Date: {meta['date']}. Commit {meta['git_commit']}, "
+        f"torch {meta['torch']}. Median of {meta['repeats']} steps after {meta['warmup']} "
+        f"warm-up; the whole run took {meta['seconds']:.0f} s.",
+        "",
+        "**1. Muon optimizer step, owner vs gather** (per-rank NS GFLOP and MiB sent: max / mean "
+        "over ranks)",
+        "",
+    ]
+    rows = []
+    for name, model in results["optimizer_step"].items():
+        for dp, e in model["by_dp"].items():
+            o, g = e["owner"], e["gather"]
+            rows.append(
+                [
+                    name,
+                    dp,
+                    f"{e['owner_s']:.3f}",
+                    f"{e['gather_s']:.3f}",
+                    f"**{e['gather_over_owner']:.2f}x**",
+                    f"{_gflop(o['ns_flops_max'])} / {_gflop(o['ns_flops_mean'])}",
+                    f"{_gflop(g['ns_flops_max'])}",
+                    f"{o['bytes_sent_max'] / 2**20:.1f} / {o['bytes_sent_mean'] / 2**20:.1f}",
+                    f"{g['bytes_sent_max'] / 2**20:.1f}",
+                ]
+            )
+    out += _table(
+        [
+            "model",
+            "DP",
+            "owner s",
+            "gather s",
+            "gather/owner",
+            "NS GFLOP owner",
+            "NS GFLOP gather",
+            "MiB sent owner",
+            "MiB sent gather",
+        ],
+        rows,
+    )
+    for name, model in results["optimizer_step"].items():
+        out.append(f"- {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
+    out.append("")
+    t = results["training_step"]
+    out.append(
+        f"**2. Training step, Muon vs AdamW** (GPTModel {t['model']['num_layers']} layers, "
+        f"hidden {t['model']['hidden']}, FFN {t['model']['ffn_hidden']}, "
+        f"vocab {t['model']['vocab_size']}; "
+        f"Megatron-FSDP {t['strategy']}, DP={t['dp']}, {t['tokens_per_rank']} tokens per rank)"
+    )
+    out.append("")
+    out += _table(
+        ["", "Muon s", "AdamW s", "Muon/AdamW"],
+        [
+            [
+                "whole step",
+                f"{t['muon_step_s']:.3f}",
+                f"{t['adamw_step_s']:.3f}",
+                f"**{t['muon_over_adamw_step']:.2f}x**",
+            ],
+            [
+                "optimizer step",
+                f"{t['muon_optimizer_s']:.3f}",
+                f"{t['adamw_optimizer_s']:.3f}",
+                f"**{t['muon_over_adamw_optimizer']:.2f}x**",
+            ],
+        ],
+    )
+    s = results["stock_comparison"]
+    out.append(f"**3. Muon step on full params, DP=1** ({s['model']})")
+    out.append("")
+    out += _table(
+        ["implementation", "step s", "time / ours"],
+        [
+            ["megatron-muon ShardedMuon", f"{s['ours_s']:.3f}", "1.00x"],
+            [
+                "megatron-core TensorParallelMuon",
+                f"{s['tensor_parallel_muon_s']:.3f}",
+                f"{s['tensor_parallel_muon_over_ours']:.2f}x",
+            ],
+            [
+                "emerging-optimizers Muon",
+                f"{s['emerging_muon_s']:.3f}",
+                f"{s['emerging_muon_over_ours']:.2f}x",
+            ],
+        ],
+    )
+    m = results["memory"]["training_step"]
+    out.append(
+        f"**4. Memory** ({m['measure']} per rank, max over ranks, DP={m['dp']}; above the "
+        "process's level before the model was built)"
+    )
+    out.append("")
+    out += _table(
+        ["", "Muon", "AdamW", "Muon/AdamW"],
+        [
+            [
+                "model + grads + optimizer state",
+                _mb(m["muon_state_bytes"]),
+                _mb(m["adamw_state_bytes"]),
+                f"{m['muon_state_bytes'] / m['adamw_state_bytes']:.3f}",
+            ],
+            [
+                "training-step peak",
+                _mb(m["muon_peak_bytes"]),
+                _mb(m["adamw_peak_bytes"]),
+                f"**{m['muon_over_adamw']:.3f}**",
+            ],
+        ],
+    )
+    rows = []
+    for name, by_dp in results["memory"]["exchange_transient"].items():
+        for dp, e in by_dp.items():
+            rows.append(
+                [
+                    name,
+                    dp,
+                    _mb(e["owner_peak_step_bytes_max"]),
+                    _mb(e["gather_peak_step_bytes_max"]),
+                    f"{e['gather_over_owner']:.2f}x",
+                    _mb(e["owner_full_matrix_bytes_max"]),
+                    _mb(e["gather_full_matrix_bytes_max"]),
+                ]
+            )
+    out.append("Optimizer-step transient memory (peak above the step's start, max over ranks):")
+    out.append("")
+    out += _table(
+        [
+            "model",
+            "DP",
+            "owner",
+            "gather",
+            "gather/owner",
+            "full matrices held, owner",
+            "gather",
+        ],
+        rows,
+    )
+    sc = results["scaling"]
+    out.append(f"**5. Owner-mode step vs hidden size** (DP={sc['dp']}, {sc['model']})")
+    out.append("")
+    out += _table(
+        ["hidden", "step s", "NS GFLOP (all ranks)"],
+        [
+            [h, f"{sec:.4f}", _gflop(fl)]
+            for h, sec, fl in zip(sc["hidden"], sc["seconds"], sc["ns_flops_total"], strict=True)
+        ],
+    )
+    out.append(
+        f"Growth exponent (time ~ hidden^k): k = {sc['growth_exponent']:.2f} over all sizes, "
+        f"{sc['growth_exponent_last_two']:.2f} over the last two; NS FLOPs grow as "
+        f"hidden^{sc['ns_flops_exponent']:.2f}."
+    )
+    out.append("")
+    peak = results["matmul_peak"]
+    dense = results["optimizer_step"]["dense"]["by_dp"]
+    out.append(
+        f"NS rate: measured bf16 matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s per rank "
+        f"({peak['size']}^3); owner-mode NS TFLOP/s per rank, dense model, communication "
+        "included: "
+        + ", ".join(
+            f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f} "
+            f"({e['ns_flops_per_s_per_rank'] / peak['flops_per_s']:.0%} of the matmul rate)"
+            for dp, e in dense.items()
+        )
+        + "."
+    )
+    out.append("")
+    out.append("**6. Gram vs standard Newton-Schulz** (`benchmarks.ns_methods`, one thread)")
+    out.append("")
+    out += _table(
+        ["shape", "precision", "standard ms", "Gram ms", "speedup", "FLOP ratio", "Gram ran"],
+        [
+            [
+                tuple(t["shape"]),
+                t["precision"],
+                f"{t['standard_s'] * 1e3:.2f}",
+                f"{t['gram_s'] * 1e3:.2f}",
+                f"{t['speedup']:.2f}x",
+                f"{t['flop_ratio']:.2f}x",
+                t["gram_ran"],
+            ]
+            for t in results["ns_methods"]
+        ],
+    )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    path = args[0] if args else "bench_out/results.json"
+    with open(path) as f:
+        print(format_markdown(json.load(f)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
