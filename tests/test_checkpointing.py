@@ -58,18 +58,54 @@ class WarmupScheduler:
         self._apply()
 
 
-def _build(world_size: int, strategy: str, seed: int = 0, hidden: int = 48, all_adam: bool = False):
-    """Wrapped ToyMLP, [ShardedMuon, AdamW] with state for every param, and a scheduler."""
+class ToyMoE(torch.nn.Module):
+    """A router and ``num_experts`` two-layer experts as 3-D weights ``(E, out, in)``: Megatron-FSDP
+    shards them by whole experts (rows of dim 0), unevenly for 5 experts on 2 or 3 ranks."""
+
+    def __init__(self, dim: int = DIM, hidden: int = 24, num_experts: int = 5) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(dim, num_experts)
+        self.experts_fc1 = torch.nn.Parameter(torch.randn(num_experts, hidden, dim) / dim**0.5)
+        self.experts_fc2 = torch.nn.Parameter(torch.randn(num_experts, dim, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Sigmoid scores (as Megatron's moe_router_score_function="sigmoid"): a softmax router's
+        # gradient has rows summing to zero, so one singular value is pure fp32 noise that NS
+        # amplifies ~3.4^5-fold; a reshard comparison would then measure noise, not placement.
+        weights = torch.sigmoid(self.router(x))
+        hidden = torch.relu(torch.einsum("bd,ehd->beh", x, self.experts_fc1))
+        outputs = torch.einsum("beh,edh->bed", hidden, self.experts_fc2)
+        return torch.einsum("be,bed->bd", weights, outputs)
+
+
+def _build(
+    world_size: int,
+    strategy: str,
+    seed: int = 0,
+    hidden: int = 48,
+    all_adam: bool = False,
+    moe: bool = False,
+):
+    """Wrapped ToyMLP (or ToyMoE), [ShardedMuon(s), AdamW] with state for every param, scheduler.
+
+    ToyMoE's 3-D expert weights get their own ShardedMuon over an expert data-parallel group (all
+    ranks: expert-parallel size 1), as the factory routes Megatron's experts.
+    """
     from megatron_muon import ShardedMuon
     from megatron_muon.checkpointing import ensure_optimizer_state, named_optimizer_params
     from tests.fsdp_models import ToyMLP, fully_shard_toy
 
     torch.manual_seed(seed)
-    wrapped = fully_shard_toy(ToyMLP(dim=DIM, hidden=hidden), world_size, strategy)
+    module = ToyMoE() if moe else ToyMLP(dim=DIM, hidden=hidden)
+    wrapped = fully_shard_toy(module, world_size, strategy)
     named = named_optimizer_params(wrapped)
     matrices = [p for _, p in named if p.ndim == 2 and not all_adam]
-    others = [p for _, p in named if p.ndim != 2 or all_adam]
-    optimizers = [torch.optim.AdamW(others, lr=1e-2, weight_decay=0.1)]
+    experts = [p for _, p in named if p.ndim == 3]
+    others = [p for _, p in named if p.ndim == 1 or (p.ndim == 2 and all_adam)]
+    optimizers: list = [torch.optim.AdamW(others, lr=1e-2, weight_decay=0.1)]
+    if experts:
+        expert_group = dist.new_group(list(range(world_size)))
+        optimizers.insert(0, ShardedMuon(experts, dp_group=expert_group, **MUON_KWARGS))
     if matrices:
         optimizers.insert(0, ShardedMuon(matrices, **MUON_KWARGS))
     ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
@@ -247,11 +283,11 @@ def test_save_writes_true_uneven_and_empty_shard_chunks_from_their_own_ranks(tmp
 # --------------------------------------------------------------------------------------------------
 
 
-def _save_and_snapshot(rank, world_size, strategy, path, k) -> dict:
+def _save_and_snapshot(rank, world_size, strategy, path, k, moe=False) -> dict:
     """Trains k steps and saves; returns the full state at the save and after one more step."""
     from megatron_muon.checkpointing import save_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, strategy)
+    wrapped, optimizers, scheduler = _build(world_size, strategy, moe=moe)
     _train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=False)
     save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k)
     saved = _full_snapshot(wrapped, optimizers)
@@ -259,10 +295,10 @@ def _save_and_snapshot(rank, world_size, strategy, path, k) -> dict:
     return {"saved": saved, "next": _full_snapshot(wrapped, optimizers)}
 
 
-def _load_and_snapshot(rank, world_size, strategy, path) -> dict:
+def _load_and_snapshot(rank, world_size, strategy, path, moe=False) -> dict:
     from megatron_muon.checkpointing import load_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123)
+    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123, moe=moe)
     loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
     after_load = _full_snapshot(wrapped, optimizers)
     _train(wrapped, optimizers, scheduler, rank, world_size, 1, loaded.iteration, noise=False)
@@ -289,12 +325,7 @@ def test_dp2_checkpoint_chunks_are_the_true_row_layouts(dp2_checkpoint):
     _assert_each_rank_wrote_exactly_its_rows(path, reference["saved"]["layouts"], 2)
 
 
-@pytest.mark.parametrize("world_size,strategy", [(1, "no_shard"), (3, "optim_grads_params")])
-def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
-    dp2_checkpoint, world_size, strategy
-):
-    path, reference = dp2_checkpoint
-    results = run_on_ranks(_load_and_snapshot, world_size, strategy, path)
+def _assert_resharded(reference: dict, results: list[dict]) -> None:
     for result in results:
         assert not result["rng_restored"]
         loaded, saved = result["loaded"], reference["saved"]
@@ -313,6 +344,27 @@ def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
                 if tensor.ndim:
                     error = _relative(result["next"]["state"][name][key], tensor)
                     assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"
+
+
+@pytest.mark.parametrize("world_size,strategy", [(1, "no_shard"), (3, "optim_grads_params")])
+def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
+    dp2_checkpoint, world_size, strategy
+):
+    path, reference = dp2_checkpoint
+    _assert_resharded(reference, run_on_ranks(_load_and_snapshot, world_size, strategy, path))
+
+
+def test_expert_momentum_survives_save_and_load_at_another_dp_size(tmp_path):
+    """3-D expert weights (5 experts: uneven whole-expert shards) under a ShardedMuon over an
+    expert data-parallel group: saved at DP=2, loaded at DP=3, momentum on the right experts."""
+    path = str(tmp_path / "moe")
+    reference = run_on_ranks(_save_and_snapshot, 2, "optim", path, 2, moe=True)[0]
+    momentum = reference["saved"]["state"]["experts_fc1"]["momentum_buffer"]
+    assert momentum.shape == (5, 24, DIM) and momentum.abs().sum() > 0
+    layouts = reference["saved"]["layouts"]
+    assert layouts["experts_fc1"] != ((0, 5), (0, 5)), "experts should be sharded"
+    results = run_on_ranks(_load_and_snapshot, 3, "optim_grads", path, moe=True)
+    _assert_resharded(reference, results)
 
 
 # --------------------------------------------------------------------------------------------------
