@@ -190,12 +190,12 @@ class QKClip:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for index, attention in enumerate(self.attentions):
             _check_supported(attention, index)
-            rows = attention.linear_qkv_out_dim
+            rows = _qkv_rows_per_partition(attention)
             for tensor in self.params[index]:
                 if tensor.shape[0] != rows:
                     raise ValueError(
                         f"attention {index}: a QK-clip param of shape {tuple(tensor.shape)} does "
-                        f"not have linear_qkv's {rows} rows"
+                        f"not have the {rows} rows of this TP rank's linear_qkv"
                     )
             if _records_max_logits(attention.core_attention):
                 self._hooks.append(None)
@@ -268,6 +268,13 @@ class QKClip:
                 attention.core_attention.current_max_attn_logits = None
             else:
                 hook.max_logits = None
+
+
+def _qkv_rows_per_partition(attention: SelfAttention) -> int:
+    """Rows of the tensor-parallel-local ``linear_qkv``: per local group, its q heads, k and v."""
+    groups = attention.num_query_groups_per_partition
+    heads_per_group = attention.num_attention_heads_per_partition // groups
+    return groups * (heads_per_group + 2) * attention.hidden_size_per_attention_head
 
 
 def _default_params(attention: SelfAttention) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ logits are recomputed here from the weights (``_hand_max_logits``), independentl
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -16,10 +17,16 @@ from megatron_muon.qk_clip import head_clip_factors, qkv_row_scales
 from tests.harness import run_on_ranks
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 8, 6, 4
+TAU = 0.6  # the GQA layer's max logits on _inputs() are 0.43..0.68: three heads clip, one not
 
 
-def _build_attention(num_query_groups: int, seed: int = 0):
-    """A causal megatron-core SelfAttention on CPU (call inside a rank: needs parallel_state)."""
+def _build_attention(num_query_groups: int, seed: int = 0, tp: int = 1):
+    """A causal megatron-core SelfAttention on CPU (call inside a rank: needs parallel_state).
+
+    With ``tp > 1`` (world size ``tp``), each rank holds its tensor-parallel partition: its query
+    groups' heads and the matching contiguous rows of ``linear_qkv``, cut from the same full
+    CPU-initialized weight as with ``tp = 1``.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -27,7 +34,7 @@ def _build_attention(num_query_groups: int, seed: int = 0):
     from megatron.core.transformer.spec_utils import build_module
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, 1)
     # Its fork() is a null context: DotProductAttention forks the CUDA RNG tracker for dropout.
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     config = TransformerConfig(
@@ -39,6 +46,7 @@ def _build_attention(num_query_groups: int, seed: int = 0):
         params_dtype=torch.float32,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
     )
     torch.manual_seed(seed)
     spec = get_gpt_layer_local_spec().submodules.self_attention
@@ -186,12 +194,21 @@ def _run_sharded(rank: int, world_size: int, splits: list[int], tau: float) -> d
         )
         return torch.nn.Parameter(dtensor)
 
+    initial = attention.linear_qkv.weight.detach().clone()
     params = [shard(attention.linear_qkv.weight), shard(attention.linear_qkv.bias)]
     group = torch.distributed.group.WORLD if world_size > 1 else None
     clip = QKClip([attention], tau, group=group, params=[params])
     attention(x[:, rank::world_size], attention_mask=mask)
     stats = clip.clip()
-    return {"locals": [p.to_local().detach().clone() for p in params], "stats": stats}
+    locals_ = [p.to_local().detach().clone() for p in params]
+    return {"locals": locals_, "stats": stats, "initial": initial}
+
+
+@functools.cache
+def _unsharded(tau: float) -> dict:
+    """The reference: the whole layer and batch in one rank (shared by the sharded tests)."""
+    [result] = run_on_ranks(_run_sharded, 1, [64], tau)
+    return result
 
 
 @pytest.mark.parametrize("splits", [[40, 24], [0, 64]], ids=["mid-group", "empty-shard"])
@@ -202,8 +219,8 @@ def test_sharded_on_two_ranks_equals_unsharded(splits: list[int]) -> None:
     Tolerance 1e-6: each rank's logits come from a smaller einsum (batch 2 instead of 4), which may
     round differently in the last bit; the max all-reduce itself is exact.
     """
-    tau = 0.6  # max logits of this layer and input are 0.43..0.68: three heads clip, one not
-    [single] = run_on_ranks(_run_sharded, 1, [64], tau)
+    tau = TAU
+    single = _unsharded(tau)
     sharded = run_on_ranks(_run_sharded, 2, splits, tau)
     assert 0 < single["stats"].num_clipped_heads < HEADS
     for rank_result in sharded:  # every rank agrees on the all-reduced max logits
@@ -265,14 +282,44 @@ def test_megatron_fsdp_row_shards_equal_unsharded(strategy: str) -> None:
     """Under real Megatron-FSDP (uneven row shards of qkv weight and bias, located by
     ``megatron_fsdp_slice``), each rank's clipped rows equal the unsharded clip's rows, and after
     the weights are installed the next forward's max logits are at most tau."""
-    tau = 0.6
-    [single] = run_on_ranks(_run_sharded, 1, [64], tau)
+    tau = TAU
+    single = _unsharded(tau)
     for rank_result in run_on_ranks(_run_megatron_fsdp, 2, strategy, tau):
         assert rank_result["stats"].num_clipped_heads == single["stats"].num_clipped_heads == 3
         for (start, local), full in zip(rank_result["shards"], single["locals"], strict=True):
             expected = full[start : start + local.shape[0]]
             torch.testing.assert_close(local, expected, atol=1e-6, rtol=1e-6)
         assert float(rank_result["after"].max()) <= tau + 1e-5
+
+
+def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
+    """TP = world size: rank r holds query group r's heads and rows; the input is replicated."""
+    from megatron_muon.qk_clip import QKClip
+
+    attention = _build_attention(num_query_groups=2, tp=world_size)
+    initial = attention.linear_qkv.weight.detach().clone()
+    clip = QKClip([attention], tau)  # no data parallelism: nothing to all-reduce
+    x, mask = _inputs()
+    attention(x, attention_mask=mask)
+    stats = clip.clip()
+    params = [attention.linear_qkv.weight, attention.linear_qkv.bias]
+    return {"initial": initial, "stats": stats, "locals": [p.detach().clone() for p in params]}
+
+
+def test_tensor_parallel_heads_clip_their_own_rows() -> None:
+    """TP = 2 (GQA, one query group per rank): each rank clips its own heads from its own logits;
+    its partition equals the matching rows of the TP = 1 clip, and the clipped heads add up."""
+    tau = TAU
+    single = _unsharded(tau)
+    per_rank = run_on_ranks(_run_tensor_parallel, 2, tau)
+    rows = 64 // 2
+    for rank, result in enumerate(per_rank):
+        mine = slice(rank * rows, (rank + 1) * rows)
+        torch.testing.assert_close(result["initial"], single["initial"][mine], atol=0, rtol=0)
+        for local, full in zip(result["locals"], single["locals"], strict=True):
+            torch.testing.assert_close(local, full[mine], atol=1e-6, rtol=1e-6)
+    total = sum(r["stats"].num_clipped_heads for r in per_rank)
+    assert total == single["stats"].num_clipped_heads == 3
 
 
 def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
