@@ -237,39 +237,43 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     )
 
 
-def _orthogonalized_class() -> type:
+def _emerging_optimizer_classes() -> tuple[type, type]:
     from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
+    from emerging_optimizers.scalar_optimizers import Lion
 
-    return OrthogonalizedOptimizer
+    return OrthogonalizedOptimizer, Lion
 
 
 def _expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """State keys every param of ``group`` holds once the optimizer has state for it."""
-    if isinstance(optimizer, _orthogonalized_class()):
+    orthogonalized, lion = _emerging_optimizer_classes()
+    if isinstance(optimizer, orthogonalized):  # Muon, TensorParallelMuon, ShardedMuon
         return ("momentum_buffer",)
+    if isinstance(optimizer, lion):
+        return ("exp_avg",)
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         keys = ("step", "exp_avg", "exp_avg_sq")
         return (*keys, "max_exp_avg_sq") if group.get("amsgrad", False) else keys
     raise TypeError(
         f"checkpointing does not know how {type(optimizer).__name__} creates its state without a "
         "step; supported: Muon (emerging_optimizers OrthogonalizedOptimizer, ShardedMuon), "
-        "torch.optim.Adam, torch.optim.AdamW"
+        "emerging_optimizers Lion, torch.optim.Adam, torch.optim.AdamW"
     )
 
 
 @torch.no_grad()
 def _create_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
     """The state ``optimizer`` creates lazily on its first step, created now (zeros, step 0)."""
-    state = optimizer.state[param]
-    if isinstance(optimizer, _orthogonalized_class()):
-        state["momentum_buffer"] = torch.zeros_like(param.data)
+    if isinstance(optimizer, _emerging_optimizer_classes()):
+        # emerging_optimizers' own lazy init, for params without a grad too.
+        optimizer._init_group(group, skip_non_grad_params=False)
         return
     # torch.optim.Adam._init_group, without taking a step (REFERENCE.md section 5).
+    state = optimizer.state[param]
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     if group["capturable"] or group["fused"]:
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state["step"] = torch.zeros((), dtype=dtype, device=param.device)
     else:
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state["step"] = torch.tensor(0.0, dtype=dtype, device="cpu")
     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
