@@ -139,13 +139,16 @@ def split_newton_schulz(
     """This rank's block of ``newton_schulz(full)``, computed from the blocks the group holds.
 
     Collective over ``group``: every rank of it calls with its own block, in the same order
-    relative to any other collective on ``group``.
+    relative to any other collective on ``group``. Same-shape matrices split over the same group
+    go in one call (a leading batch dim): one set of collectives for all of them.
 
     Args:
-        block: fp32, plain tensor. For a tall ``full_shape`` (``rows > cols``) rows
-            ``split_bounds(rows, g)[rank]`` of the full matrix, shape ``(rows_j, cols)``; otherwise
-            columns ``split_bounds(cols, g)[rank]``, shape ``(rows, cols_j)``. May be empty.
-        full_shape: ``(rows, cols)`` of the full matrix, the same on every rank of ``group``.
+        block: fp32, plain tensor, 2-D or batched 3-D ``(B, ...)``. For a tall ``full_shape``
+            (``rows > cols``) rows ``split_bounds(rows, g)[rank]`` of the full matrix, shape
+            ``(rows_j, cols)``; otherwise columns ``split_bounds(cols, g)[rank]``, shape
+            ``(rows, cols_j)``. May be empty.
+        full_shape: ``(rows, cols)`` of the full matrix (each matrix of a batch), the same on every
+            rank of ``group``.
         group: the ranks sharing this matrix (``None``: the default group).
         num_ns_steps: NS iterations.
         coefficient_type: emerging-optimizers' coefficient set name (not ``"custom"``).
@@ -154,8 +157,8 @@ def split_newton_schulz(
     Returns:
         fp32 tensor shaped like ``block``: the same rows (or columns) of ``newton_schulz(full)``.
     """
-    if block.ndim != 2:
-        raise ValueError(f"block must be 2-D, got shape {tuple(block.shape)}")
+    if block.ndim not in (2, 3):
+        raise ValueError(f"block must be 2-D or 3-D (batched), got shape {tuple(block.shape)}")
     if block.dtype != torch.float32:
         raise ValueError(f"block must be float32, got {block.dtype}")
     rows, cols = full_shape
@@ -163,15 +166,15 @@ def split_newton_schulz(
     dim = long_dim(rows, cols)
     start, stop = split_bounds(full_shape[dim], size)[rank]
     expected = (stop - start, cols) if dim == 0 else (rows, stop - start)
-    if tuple(block.shape) != expected:
+    if tuple(block.shape[-2:]) != expected:
         raise ValueError(
             f"rank {rank} of {size} must hold block {expected} of {tuple(full_shape)} "
             f"(split along dim {dim}), got {tuple(block.shape)}"
         )
     k = min(rows, cols)
-    x = block.mT if dim == 0 else block  # (k, l_j): the long side is split
+    x = block.mT if dim == 0 else block  # (..., k, l_j): the long side is split
 
-    norm_sq = (x * x).sum()
+    norm_sq = (x * x).sum(dim=(-2, -1), keepdim=True)
     dist.all_reduce(norm_sq, group=group)
     x = x / torch.sqrt(norm_sq).clamp_min(eps)
     if torch.get_float32_matmul_precision() == "medium":
@@ -180,16 +183,17 @@ def split_newton_schulz(
     k_bounds = split_bounds(k, size)
     k_start, k_stop = k_bounds[rank]
     pad_rows = max(b - a for a, b in k_bounds)
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in _coefficients(coefficient_type, num_ns_steps):
         gram = x @ x.mT
         dist.all_reduce(gram, group=group)
-        own = gram[k_start:k_stop]
-        b_rows = torch.zeros(pad_rows, k, dtype=gram.dtype, device=gram.device)
-        b_rows[: k_stop - k_start] = torch.addmm(own, own, gram, alpha=c, beta=b)
+        own = gram[..., k_start:k_stop, :]
+        b_rows = gram.new_zeros(*gram.shape[:-2], pad_rows, k)
+        b_rows[..., : k_stop - k_start, :] = addmm(own, own, gram, alpha=c, beta=b)
         gathered = [torch.empty_like(b_rows) for _ in range(size)]
         dist.all_gather(gathered, b_rows, group=group)
-        poly = torch.cat([g[: hi - lo] for g, (lo, hi) in zip(gathered, k_bounds, strict=True)])
-        x = torch.addmm(x, poly, x, alpha=1.0, beta=a)
+        pieces = [g[..., : hi - lo, :] for g, (lo, hi) in zip(gathered, k_bounds, strict=True)]
+        x = addmm(x, torch.cat(pieces, dim=-2), x, alpha=1.0, beta=a)
     x = x.to(torch.float32)
     return x.mT if dim == 0 else x
 
@@ -200,7 +204,10 @@ def split_scaled_orthogonalize(
     group: dist.ProcessGroup | None,
     config: NSConfig,
 ) -> torch.Tensor:
-    """``split_newton_schulz`` times Muon's scale of the full shape, as ``scaled_orthogonalize``."""
+    """``split_newton_schulz`` times Muon's scale of the full shape, as ``scaled_orthogonalize``.
+
+    ``block`` may be batched ``(B, ...)``: same-shape matrices split over the same group.
+    """
     orthogonal = split_newton_schulz(
         block, full_shape, group, config.num_ns_steps, config.coefficient_type
     )

@@ -31,6 +31,7 @@ from tests.harness import RankFailure, run_on_ranks
 REPO = Path(__file__).resolve().parent.parent
 # Tall, wide, square, odd, and small enough that some ranks hold empty blocks.
 SPLIT_SHAPES = [(48, 16), (16, 48), (32, 32), (33, 7), (7, 3)]
+BATCHED_SHAPES = [(48, 16), (16, 48)]
 
 
 def _plan_inputs(spec_name: str, parallel: Parallelism) -> tuple[list[int], list]:
@@ -146,6 +147,11 @@ def _split_ns_on_rank(rank: int, world_size: int, shapes) -> list[tuple]:
         block = _block(full, dim, world_size, rank)
         flops = _count_flops(lambda b=block, s=shape: split_newton_schulz(b, s, None, 5))
         out.append((split_newton_schulz(block, shape, None, 5), flops))
+    # Same-shape matrices split over the same group: one batched call, one set of collectives.
+    for shape in BATCHED_SHAPES:
+        fulls = [torch.randn(*shape, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+        blocks = torch.stack([_block(full, long_dim(*shape), world_size, rank) for full in fulls])
+        out.append((split_newton_schulz(blocks, shape, None, 5), None))
     return out
 
 
@@ -163,6 +169,16 @@ def test_split_newton_schulz_equals_full_matrix_newton_schulz(world_size):
             assert error <= 1e-6, f"{shape} on {world_size} ranks: relative error {error:.2e}"
             for rank in range(world_size):
                 assert results[rank][index][1] == split_ns_flops(*shape, 5, world_size, rank)
+        for offset, shape in enumerate(BATCHED_SHAPES):
+            dim = long_dim(*shape)
+            batch = torch.cat(
+                [results[r][len(SPLIT_SHAPES) + offset][0] for r in range(world_size)], dim=dim + 1
+            )
+            for seed in range(3):
+                full = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+                reference = newton_schulz(full, 5, "quintic")
+                error = ((batch[seed] - reference).norm() / reference.norm()).item()
+                assert error <= 1e-6, f"batched {shape} on {world_size} ranks: {error:.2e}"
     finally:
         torch.set_float32_matmul_precision("highest")
 

@@ -15,9 +15,9 @@ memory, and collectives entered in one step.
   dummy matrices that are orthogonalized too; one all_to_all each way per batch moves even
   ``Shard(0)`` pieces (dion's own layout, in bf16 as dion sends them).
 - ``ours``: ``planner.plan_split_owners`` (the owner plan, with the largest matrices' NS split over
-  small rank blocks where one owner cannot balance); one packed all_to_all each way
-  (``ShardedMuon`` with one bucket) plus one small all_reduce of grad flags, plus each split
-  matrix's NS collectives among its block.
+  small rank blocks where one owner cannot balance); one packed all_to_all each way per exchange
+  bucket (``ShardedMuon``) plus one small all_reduce of grad flags, plus the split NS collectives
+  among each block (same-shape pieces on one block and bucket batched into one call).
 
 Byte counts: the owner exchange moves fp32 rows (as ``ShardedMuon`` does); collectives count what
 one rank puts on the wire for a ring algorithm (all_gather of ``n`` chunks: ``n - 1`` chunks out and
@@ -204,14 +204,22 @@ def _owner_exchange(strategy: str, group: GroupInput, plan: OwnerPlan) -> GroupC
     buckets = group.buckets()
     # grad-flag all_reduce, then per bucket one all_to_all there and one back
     collectives = _zeros(group) + 1 + 2 * len(buckets)
-    for bucket in buckets:
+    split_batches: set[tuple[int, int, int, tuple[int, int]]] = set()
+    for number, bucket in enumerate(buckets):
         staged, held = _zeros(group), _zeros(group)
         for i in bucket:
-            out, keep, extra = _matrix_exchange(group, plan, i, workspace, collectives)
+            out, keep, extra = _matrix_exchange(group, plan, i, workspace)
             sent += out
             staged += keep
             held += extra
+            if plan.split_size(i) > 1:
+                for piece in group.matrices[i].pieces:
+                    split_batches.add((number, plan.owners[i], plan.split_size(i), piece))
         peak = np.maximum(peak, staged + held)
+    # Same-shape pieces split over the same block in one bucket share one batched split NS call:
+    # a norm all_reduce, then an all_reduce and an all_gather per NS step.
+    for _, first, size, _ in split_batches:
+        collectives[first : first + size] += 1 + 2 * group.num_ns_steps
     useful = sum(group.cost(i) for i in range(len(group.matrices)))
     return GroupCost(
         strategy, flops, sent, sent.copy(), peak + workspace, collectives, useful, plan
@@ -223,11 +231,10 @@ def _matrix_exchange(
     plan: OwnerPlan,
     i: int,
     workspace: np.ndarray,
-    collectives: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bytes each rank sends for matrix ``i`` (there and back), stages, and holds full.
 
-    Updates ``workspace`` (NS working set) and ``collectives`` (split NS) in place.
+    Updates ``workspace`` (the NS working set) in place.
     """
     matrix = group.matrices[i]
     rows, cols = matrix.shape
@@ -265,6 +272,5 @@ def _matrix_exchange(
             gram = k * k * group.ns_bytes  # all_reduce of A, then all_gather of B's row blocks
             gather = (parts - 1) * -(-k // parts) * k * group.ns_bytes
             out[rank] += group.num_ns_steps * (2 * gram * (parts - 1) // parts + gather)
-        collectives[rank] += len(matrix.pieces) * (1 + 2 * group.num_ns_steps)
         workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
     return out, staged, held
