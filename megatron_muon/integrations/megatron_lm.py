@@ -20,14 +20,16 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied)
    every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
-3. ``get_megatron_optimizer``, both the ``megatron.core.optimizer`` attribute and the name that
-   ``megatron.training.training`` imported: exactly when ``config.optimizer == "muon"`` and a model
-   chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
-   (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
-   installs the weights and re-syncs params; inside this loop gradients were already reduced by
-   ``finalize_model_grads``, so the wrapper is told not to reduce them again). Stock megatron-core
-   would build a ``TensorParallelMuon`` that trains nothing under no_shard and crashes under every
-   sharded strategy (REFERENCE.md section 7).
+3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
+   ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
+   left alone): exactly when ``config.optimizer == "muon"`` and a model chunk is wrapped by
+   Megatron-FSDP, it returns megatron-muon's optimizer (``megatron_muon.build_muon_optimizer``:
+   exact Muon on FSDP shards behind a step wrapper that installs the weights and re-syncs params;
+   inside this loop gradients were already reduced by ``finalize_model_grads``, so the wrapper is
+   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``).
+   Stock megatron-core would build a ``TensorParallelMuon`` that trains nothing under no_shard and
+   crashes under every sharded strategy (REFERENCE.md section 7). A custom loop calls
+   ``build_muon_optimizer`` itself, saying whether it calls ``finish_grad_sync``.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.2 (the
@@ -47,6 +49,8 @@ from typing import Any
 
 import torch
 
+from megatron_muon.step_wrapper import FsdpStepWrapper
+
 __all__ = [
     "SUPPORTED_MEGATRON_CORE_VERSIONS",
     "install",
@@ -54,6 +58,7 @@ __all__ = [
     "extra_args_provider",
     "muon_meets_megatron_fsdp",
     "uses_megatron_fsdp",
+    "MegatronCheckpointedOptimizer",
 ]
 
 SUPPORTED_MEGATRON_CORE_VERSIONS = ("0.19.2",)
@@ -90,13 +95,10 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
         return
     arguments = importlib.import_module("megatron.training.arguments")
     training = importlib.import_module("megatron.training.training")
-    core_optimizer = importlib.import_module("megatron.core.optimizer")
 
     arguments.parse_args = _with_muon_args(arguments.parse_args)
     arguments.validate_args = _accepting_muon_with_fsdp(arguments.validate_args, arguments)
-    routed = _routing_muon_with_fsdp(core_optimizer.get_megatron_optimizer)
-    core_optimizer.get_megatron_optimizer = routed
-    training.get_megatron_optimizer = routed
+    training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     _INSTALLED = True
 
 
@@ -231,12 +233,115 @@ def _megatron_args() -> argparse.Namespace | None:
 def _build_for_megatron_loop(
     config: Any, model_chunks: Any, *, config_overrides: Any, pg_collection: Any
 ) -> Any:
-    """megatron-muon's optimizer for chunks that Megatron's ``train_step`` drives."""
-    from megatron_muon import factory
+    """megatron-muon's optimizer for chunks that Megatron's ``train_step`` drives.
 
-    return factory.build_muon_optimizer(
+    Megatron's ``train_step`` runs ``finalize_model_grads`` (which calls ``finish_grad_sync`` on
+    every chunk) before ``optimizer.step()``; a second call would reduce gradients twice and
+    corrupt the ``optim`` strategy (REFERENCE.md section 9), hence ``grads_already_synced``.
+    """
+    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.factory import build_muon_optimizer
+
+    args = _megatron_args()
+    built = build_muon_optimizer(
         config,
         model_chunks,
         config_overrides=config_overrides,
         pg_collection=pg_collection,
+        fsdp_config=MuonFsdpConfig.from_args(args) if args is not None else None,
+        grads_already_synced=True,
     )
+    return _with_fsdp_dtensor_checkpoints(built)
+
+
+def _with_fsdp_dtensor_checkpoints(built: Any) -> Any:
+    """The factory's step wrapper, as ``MegatronCheckpointedOptimizer`` (same parts)."""
+    optimizer = MegatronCheckpointedOptimizer(
+        built.inner, built.fsdp_modules, grads_already_synced=built.grads_already_synced
+    )
+    for name in ("routing", "summary_lines"):
+        if hasattr(built, name):
+            setattr(optimizer, name, getattr(built, name))
+    return optimizer
+
+
+class MegatronCheckpointedOptimizer(FsdpStepWrapper):
+    """The FSDP step wrapper, with optimizer state in Megatron's ``fsdp_dtensor`` checkpoints.
+
+    Megatron's ``save_checkpoint``/``load_checkpoint`` (``--ckpt-format fsdp_dtensor``) ask the
+    optimizer for ``sharded_state_dict(..., metadata={"distrib_optim_sharding_type":
+    "fsdp_dtensor"})`` and hand the loaded result to ``load_state_dict``. megatron-core's
+    ``DistributedOptimizer`` answers with its state keyed by parameter name, every tensor a DTensor
+    like its parameter, plus ``param_to_group_meta`` (its ``sharded_param_state_fsdp_dtensor``);
+    the ``FP32Optimizer`` children of our chain only know the ``torch_dist`` ``ShardedTensor``
+    format. This class gives the same layout, one entry per leaf optimizer:
+    ``{i: {"state": {name: {key: DTensor | step}}, "param_to_group_meta": {name: {...}}}}``.
+
+    State exists for every param on every rank before the state dict is built
+    (``megatron_muon.checkpointing.ensure_optimizer_state``, without a step): megatron_fsdp's
+    uneven-DTensor preprocessing and DCP planning run collectives per DTensor, so a key missing on
+    one rank (a rank holding 0 rows of a param) would hang the save (REFERENCE.md section 8).
+    Names are Megatron-FSDP's optimizer-param names (``decoder.layers.0...``).
+    """
+
+    def _names(self) -> dict[int, str]:
+        from megatron_muon.checkpointing import named_optimizer_params
+
+        return {id(param): name for name, param in named_optimizer_params(self.fsdp_modules)}
+
+    def _leaves(self) -> list[torch.optim.Optimizer]:
+        from megatron_muon.checkpointing import leaf_optimizers
+
+        return leaf_optimizers(self.inner)
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: Any,
+        is_loading: bool = False,
+        metadata: dict | None = None,
+        **kwargs: Any,
+    ) -> dict[int, dict[str, Any]]:
+        """Optimizer state by param name, DTensors like the params (save and load template)."""
+        from megatron_muon.checkpointing import ensure_optimizer_state
+
+        sharding = (metadata or {}).get("distrib_optim_sharding_type")
+        if sharding != "fsdp_dtensor":
+            raise NotImplementedError(
+                f"Muon with Megatron-FSDP checkpoints in --ckpt-format fsdp_dtensor only, got "
+                f"distrib_optim_sharding_type={sharding!r}"
+            )
+        ensure_optimizer_state(self.inner)
+        names = self._names()
+        sharded: dict[int, dict[str, Any]] = {}
+        for index, leaf in enumerate(self._leaves()):
+            state: dict[str, Any] = {}
+            group_meta: dict[str, Any] = {}
+            for group in leaf.param_groups:
+                meta = {key: value for key, value in group.items() if key != "params"}
+                for param in group["params"]:
+                    state[names[id(param)]] = leaf.state[param]
+                    group_meta[names[id(param)]] = meta
+            sharded[index] = {"state": state, "param_to_group_meta": group_meta}
+        return sharded
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Loads what ``sharded_state_dict`` described (after DCP filled it), by param name."""
+        if not (isinstance(state_dict, dict) and all(isinstance(k, int) for k in state_dict)):
+            super().load_state_dict(state_dict)
+            return
+        names = self._names()
+        leaves = self._leaves()
+        if sorted(state_dict) != list(range(len(leaves))):
+            raise ValueError(
+                f"checkpoint holds {len(state_dict)} optimizer(s), this run has {len(leaves)}"
+            )
+        for index, leaf in enumerate(leaves):
+            saved = state_dict[index]
+            groups = []
+            for group in leaf.param_groups:
+                params = [names[id(p)] for p in group["params"]]
+                meta = saved["param_to_group_meta"].get(params[0], {}) if params else {}
+                groups.append({**meta, "params": params})
+            # torch maps saved params to current ones by position in param_groups; both are
+            # the current groups' param names, so the name-keyed state lands on the right param.
+            leaf.load_state_dict({"state": dict(saved["state"]), "param_groups": groups})

@@ -1,0 +1,66 @@
+"""Test driver run by ``tests/torchrun.py`` on each rank: the example, plus what tests must see.
+
+Runs ``examples/pretrain_gpt_megatron.py`` as ``__main__`` with the remaining arguments, then prints
+this rank's row layout of every parameter (``MEGATRON_MUON_LAYOUT {name: [local_rows, rows]}``,
+from the DTensors Megatron-FSDP hands the optimizer) and an end marker, so that a test can tell a
+rank that finished from one that hung.
+
+``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
+the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt_megatron.py"
+DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
+LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
+NO_INSTALL_FLAG = "--no-megatron-muon-install"
+
+
+def _rows(param: Any) -> list[int]:
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return [int(local.shape[0]) if local.ndim else 1, int(param.shape[0]) if param.ndim else 1]
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if NO_INSTALL_FLAG in argv:
+        argv.remove(NO_INSTALL_FLAG)
+        import megatron_muon.integrations.megatron_lm as integration
+        from megatron_muon import cpu_stand_ins
+
+        integration.install = lambda **_: cpu_stand_ins.install_for_training()
+
+    import megatron.training.training as training
+
+    captured: dict[str, Any] = {}
+    setup_model_and_optimizer = training.setup_model_and_optimizer
+
+    def setup_and_capture(*args: Any, **kwargs: Any) -> Any:
+        model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
+        captured["optimizer"] = optimizer
+        captured["model"] = model
+        return model, optimizer, scheduler
+
+    training.setup_model_and_optimizer = setup_and_capture
+    sys.argv = [str(EXAMPLE), *argv]
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+
+    layout: dict[str, list[int]] = {}
+    for chunk in captured.get("model", []):
+        for name, param in chunk.named_parameters():
+            layout[name] = _rows(param)
+    print(LAYOUT_MARKER + json.dumps(layout), flush=True)
+    print(DONE_MARKER, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Run Megatron-LM's training loop under ``torchrun`` from a test, with a timeout that names ranks.
+
+``run_megatron(script_args, nproc=2, timeout=...)`` launches ``torchrun --nproc-per-node N``
+on ``tests/megatron_lm_driver.py`` (which runs ``examples/pretrain_gpt_megatron.py``), each rank's
+output in its own file (torchrun ``--log-dir --redirects 3``), and returns a ``MegatronRun`` with
+the per-iteration values parsed from the loop's own log lines (``lm loss``, ``grad norm``, ...),
+and what the driver printed after training (param row layouts). On a timeout every process is
+killed and ``TorchrunTimeout`` names the ranks that never printed the driver's end marker; a
+non-zero exit raises ``TorchrunFailure`` with the tail of each rank's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "tests" / "megatron_lm_driver.py"
+DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
+LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
+
+# The flags every test run shares: 2 gloo CPU ranks, the local (non-TE) GPT spec, no CUDA fusions,
+# no dropout, a tiny GPT (2 layers, hidden 64) on mock data, one log line per iteration.
+TINY_GPT_CPU_FLAGS = [
+    *("--distributed-backend gloo --use-cpu-initialization --transformer-impl local").split(),
+    *("--no-gradient-accumulation-fusion --no-gradient-reduce-div-fusion").split(),
+    *("--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion").split(),
+    *("--no-rope-fusion --no-persist-layer-norm").split(),
+    *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32").split(),
+    *("--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 4").split(),
+    *("--hidden-dropout 0 --attention-dropout 0 --seed 1234").split(),
+    *("--mock-data --tokenizer-type NullTokenizer --vocab-size 128").split(),
+    *("--log-interval 1 --eval-iters 0 --eval-interval 1000 --lr-decay-style constant").split(),
+    *("--use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
+]
+
+_ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+_FIELD = re.compile(r"\s*([a-z][a-z ]*[a-z]):\s*([-+0-9.eE]+|nan|inf)\s*$")
+
+
+class TorchrunFailure(RuntimeError):
+    """torchrun exited non-zero; the message holds each rank's output tail."""
+
+
+class TorchrunTimeout(TimeoutError):
+    """The run did not finish in time; the message names the ranks that did not finish."""
+
+
+@dataclass
+class MegatronRun:
+    """What one launch printed: per-iteration fields, layouts, each rank's output, wall time."""
+
+    iterations: dict[int, dict[str, float]]
+    layouts: dict[int, dict[str, list[int]]]
+    rank_outputs: dict[int, str]
+    wall_s: float
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def series(self, name: str = "lm loss") -> list[float]:
+        """One field over the iterations, in iteration order."""
+        return [self.iterations[i][name] for i in sorted(self.iterations)]
+
+
+def parse_iteration_lines(text: str) -> dict[int, dict[str, float]]:
+    """Megatron's ``training_log`` lines -> {iteration: {field: value}} (duplicates collapse)."""
+    iterations: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = _ITERATION_LINE.search(line)
+        if not match:
+            continue
+        fields: dict[str, float] = {}
+        for part in match.group(3).split("|"):
+            field_match = _FIELD.match(part)
+            if field_match:
+                fields[field_match.group(1)] = float(field_match.group(2))
+        iterations[int(match.group(1))] = fields
+    return iterations
+
+
+def _rank_files(log_dir: Path, nproc: int) -> dict[int, list[Path]]:
+    files: dict[int, list[Path]] = {rank: [] for rank in range(nproc)}
+    for path in log_dir.rglob("*.log"):
+        # torchrun: <log_dir>/<run_id>/attempt_<n>/<rank>/{stdout,stderr}.log
+        try:
+            rank = int(path.parent.name)
+        except ValueError:
+            continue
+        if rank in files:
+            files[rank].append(path)
+    return files
+
+
+def _read_ranks(log_dir: Path, nproc: int) -> dict[int, str]:
+    outputs = {}
+    for rank, paths in _rank_files(log_dir, nproc).items():
+        outputs[rank] = "\n".join(p.read_text(errors="replace") for p in sorted(paths))
+    return outputs
+
+
+def run_megatron(
+    script_args: list[str],
+    *,
+    nproc: int = 2,
+    timeout: float = 150.0,
+    install: bool = True,
+    env: dict[str, str] | None = None,
+) -> MegatronRun:
+    """Runs the example under torchrun on ``nproc`` CPU ranks and parses what the loop printed.
+
+    Args:
+        script_args: Megatron flags after ``TINY_GPT_CPU_FLAGS`` (later flags win in argparse).
+        install: ``False`` runs the example with ``install()`` replaced by the CPU stand-ins
+            alone (stock megatron.training, for the behaviour-preserved test).
+    """
+    log_dir = Path(tempfile.mkdtemp(prefix="mm_torchrun_"))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--standalone",
+        f"--log-dir={log_dir}",
+        "--redirects=3",
+        str(DRIVER),
+        *([] if install else ["--no-megatron-muon-install"]),
+        *TINY_GPT_CPU_FLAGS,
+        *script_args,
+    ]
+    run_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "NO_VCS_VERSION": "1",
+        **(env or {}),
+    }
+    start = time.monotonic()
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=run_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        launcher_output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        launcher_output, _ = process.communicate()
+        outputs = _read_ranks(log_dir, nproc)
+        stuck = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
+        tails = "\n".join(f"--- rank {r} ---\n{outputs.get(r, '')[-2000:]}" for r in stuck)
+        raise TorchrunTimeout(
+            f"ranks {stuck} of {nproc} did not finish within {timeout:.0f} s\n{tails}"
+        ) from None
+    wall_s = time.monotonic() - start
+    outputs = _read_ranks(log_dir, nproc)
+    if process.returncode != 0:
+        tails = "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in outputs.items())
+        raise TorchrunFailure(
+            f"torchrun exited with {process.returncode}\n{tails}\n--- launcher ---\n"
+            f"{launcher_output[-2000:]}"
+        )
+    not_done = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
+    if not_done:
+        raise TorchrunFailure(f"ranks {not_done} exited 0 without finishing the driver")
+    iterations: dict[int, dict[str, float]] = {}
+    layouts: dict[int, dict[str, list[int]]] = {}
+    for rank, text in outputs.items():
+        iterations.update(parse_iteration_lines(text))
+        for line in text.splitlines():
+            if line.startswith(LAYOUT_MARKER):
+                layouts[rank] = json.loads(line[len(LAYOUT_MARKER) :])
+    return MegatronRun(iterations, layouts, outputs, wall_s)
