@@ -228,17 +228,25 @@ class QKClip:
         Resets the recorded max logits. Layers that recorded nothing since the last clip (on every
         rank) are left alone.
         """
+        if not self.attentions:
+            return QKClipStats(num_clipped_heads=0, max_logit=float("-inf"))
         local = self.max_logits()
         sizes = [a.num_attention_heads_per_partition for a in self.attentions]
+        # On the params' device on every rank (NCCL all-reduces device tensors only; a rank that
+        # recorded nothing must still contribute a tensor on the same device as the others).
+        device = local_tensor(self.params[0][0]).device if self.params else torch.device("cpu")
         maxima = torch.cat(
             [
-                m.detach().float().cpu() if m is not None else torch.full((n,), float("-inf"))
+                m.detach().float().to(device)
+                if m is not None
+                else torch.full((n,), float("-inf"), device=device)
                 for m, n in zip(local, sizes, strict=True)
             ]
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         num_clipped = 0
+        maxima = maxima.cpu()  # a few numbers per layer; the loop below decides on the host
         for index, per_head in enumerate(maxima.split(sizes)):
             eta = head_clip_factors(per_head, self.threshold)
             clipped = int((eta < 1).sum())

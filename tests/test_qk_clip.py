@@ -341,3 +341,4 @@ def test_rejects_layers_with_qk_layernorm_and_bad_threshold() -> None:
 
     with pytest.raises(ValueError, match="threshold"):
         QKClip([], 0.0)
+    assert QKClip([], 1.0).clip().num_clipped_heads == 0  # a pipeline stage without attention
