@@ -63,13 +63,15 @@ class BenchConfig:
     warmup: int
     repeats: int
     matmul_size: int
+    bucket_size_bytes: int
     ns_methods_argv: tuple[str, ...]
 
 
 FULL = BenchConfig(
     dense=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=2048),
-    # Fine-grained experts: 8 x 256 = the dense MLP's width, so both models have the same weights.
-    moe=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=256, num_experts=8),
+    # Fine-grained experts: 8 x 256 = the dense MLP's width (per layer, the same expert weights as
+    # the dense MLP); 4 layers keep the run within its time.
+    moe=TransformerShapes(num_layers=4, hidden=512, ffn_hidden=256, num_experts=8),
     dp_sizes=(1, 2, 4),
     gpt=GPTSize(
         num_layers=8,
@@ -81,12 +83,13 @@ FULL = BenchConfig(
         micro_batch=2,
     ),
     train_dp=2,
-    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (256, 512, 1024, 2048)),
+    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (256, 512, 1024)),
     scaling_dp=2,
     warmup=1,
     repeats=3,
     matmul_size=2048,
-    ns_methods_argv=("--half",),
+    bucket_size_bytes=16 * 2**20,
+    ns_methods_argv=(),
 )
 
 QUICK = BenchConfig(
@@ -108,6 +111,7 @@ QUICK = BenchConfig(
     warmup=1,
     repeats=2,
     matmul_size=256,
+    bucket_size_bytes=64 * 2**10,
     ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
 )
 
@@ -133,31 +137,44 @@ def _mode_summary(results: list[dict], mode: str) -> dict:
 
 
 def optimizer_step_section(config: BenchConfig, device: str, dp_sizes: list[int]) -> dict:
-    """Section 1: owner vs gather at each DP size, dense and MoE."""
-    section = {}
-    for name, shapes in (("dense", config.dense), ("moe", config.moe)):
-        by_dp = {}
-        for dp in dp_sizes:
-            results = run_ranks(owner_vs_gather, dp, device, shapes, config.warmup, config.repeats)
+    """Section 1: owner vs gather at each DP size, dense and MoE (one launch per DP size)."""
+    models = {"dense": config.dense, "moe": config.moe}
+    by_model: dict[str, dict] = {name: {} for name in models}
+    for dp in dp_sizes:
+        per_rank = run_ranks(
+            owner_vs_gather,
+            dp,
+            device,
+            models,
+            config.warmup,
+            config.repeats,
+            config.bucket_size_bytes,
+        )
+        for name in models:
+            results = [r[name] for r in per_rank]
             # Every rank times the same barrier-to-barrier span; take the slowest rank's median.
             owner_s = max(r["seconds"]["owner"] for r in results)
             gather_s = max(r["seconds"]["gather"] for r in results)
             owner = _mode_summary(results, "owner")
-            by_dp[str(dp)] = {
+            by_model[name][str(dp)] = {
                 "owner_s": owner_s,
                 "gather_s": gather_s,
                 "gather_over_owner": gather_s / owner_s,
                 "owner": owner,
                 "gather": _mode_summary(results, "gather"),
+                "owner_bucketed": _mode_summary(results, "owner_bucketed"),
+                "bucket_size_bytes": config.bucket_size_bytes,
                 "ns_flops_per_s_per_rank": owner["ns_flops_max"] / owner_s,
             }
-        section[name] = {
+    return {
+        name: {
             "model": shapes.describe(),
             "num_matrices": len(shapes.shapes()),
             "num_params": shapes.num_params(),
-            "by_dp": by_dp,
+            "by_dp": by_model[name],
         }
-    return section
+        for name, shapes in models.items()
+    }
 
 
 def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]:
@@ -198,11 +215,15 @@ def exchange_transient_section(optimizer_step: dict) -> dict:
         section[name] = {}
         for dp, entry in model["by_dp"].items():
             owner, gather = entry["owner"], entry["gather"]
+            bucketed = entry["owner_bucketed"]
             section[name][dp] = {
                 "owner_peak_step_bytes_max": owner["peak_step_bytes_max"],
                 "gather_peak_step_bytes_max": gather["peak_step_bytes_max"],
+                "owner_bucketed_peak_step_bytes_max": bucketed["peak_step_bytes_max"],
                 "owner_full_matrix_bytes_max": owner["peak_full_matrix_bytes_max"],
                 "gather_full_matrix_bytes_max": gather["peak_full_matrix_bytes_max"],
+                "owner_bucketed_full_matrix_bytes_max": bucketed["peak_full_matrix_bytes_max"],
+                "bucket_size_bytes": entry["bucket_size_bytes"],
                 "gather_over_owner": gather["peak_step_bytes_max"]
                 / max(1, owner["peak_step_bytes_max"]),
             }

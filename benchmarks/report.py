@@ -50,6 +50,7 @@ REQUIRED_FIGURES = (
     "memory.exchange_transient.*.*.owner_full_matrix_bytes_max",
     "memory.exchange_transient.*.*.gather_full_matrix_bytes_max",
     "memory.exchange_transient.*.*.gather_over_owner",
+    "memory.exchange_transient.*.*.owner_bucketed_peak_step_bytes_max",
     "scaling.hidden",
     "scaling.seconds",
     "scaling.growth_exponent",
@@ -135,7 +136,9 @@ def format_report(results: dict) -> str:
                 f"{_mb(e['owner_full_matrix_bytes_max'])}), gather "
                 f"{_mb(e['gather_peak_step_bytes_max'])} (full matrices "
                 f"{_mb(e['gather_full_matrix_bytes_max'])}), gather/owner "
-                f"{e['gather_over_owner']:.2f}x"
+                f"{e['gather_over_owner']:.2f}x; owner with {_mb(e['bucket_size_bytes'])} "
+                f"buckets {_mb(e['owner_bucketed_peak_step_bytes_max'])} (full matrices "
+                f"{_mb(e['owner_bucketed_full_matrix_bytes_max'])})"
             )
     lines.append("")
     sc = results["scaling"]
@@ -320,9 +323,15 @@ def format_markdown(results: dict) -> str:
                     f"{e['gather_over_owner']:.2f}x",
                     _mb(e["owner_full_matrix_bytes_max"]),
                     _mb(e["gather_full_matrix_bytes_max"]),
+                    _mb(e["owner_bucketed_peak_step_bytes_max"]),
+                    _mb(e["owner_bucketed_full_matrix_bytes_max"]),
                 ]
             )
-    out.append("Optimizer-step transient memory (peak above the step's start, max over ranks):")
+    bucket = next(iter(next(iter(results["memory"]["exchange_transient"].values())).values()))
+    out.append(
+        "Optimizer-step transient memory (peak above the step's start, max over ranks; bucketed: "
+        f"`bucket_size_bytes` = {_mb(bucket['bucket_size_bytes'])}):"
+    )
     out.append("")
     out += _table(
         [
@@ -333,6 +342,8 @@ def format_markdown(results: dict) -> str:
             "gather/owner",
             "full matrices held, owner",
             "gather",
+            "owner, bucketed",
+            "full matrices held, owner bucketed",
         ],
         rows,
     )
