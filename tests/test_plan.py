@@ -219,6 +219,74 @@ def _wrong_block(rank: int, world_size: int) -> None:
     split_newton_schulz(torch.zeros(8, 48), (16, 48), None, 5)
 
 
+# Blocks of 4 and of 2 ranks overlap: matrices 0 and 2 on ranks 0-3, 1 on 0-1, 3 on 2-3.
+PLANNED_PIECES = [
+    [(256, 32)],
+    [(32, 96)],
+    [(64, 48)],
+    [(40, 40)],
+    [(16, 32), (4, 32), (4, 32)],
+    [(8, 8)],
+    [(12, 8)],
+]
+
+
+def _planned_matrix(index: int) -> torch.Tensor:
+    rows = sum(r for r, _ in PLANNED_PIECES[index])
+    cols = PLANNED_PIECES[index][0][1]
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(100 + index))
+
+
+def _execute_plan(rank: int, world_size: int, plan: OwnerPlan) -> dict:
+    # What the optimizer does with a split plan, minus the exchange (every rank makes the full
+    # matrices from seeds): one group per aligned block of each size used, created in the same
+    # order on every rank, then NS in matrix order, split matrices on their block.
+    torch.set_float32_matmul_precision("highest")
+    blocks = {}
+    for size in sorted({plan.split_size(m) for m in range(len(PLANNED_PIECES))} - {1}):
+        for first in range(0, world_size - size + 1, size):
+            blocks[first, size] = dist.new_group(list(range(first, first + size)))
+    results = {}
+    for m, pieces in enumerate(PLANNED_PIECES):
+        members = plan.members(m)
+        if rank not in members:
+            continue
+        full = _planned_matrix(m)
+        if len(members) == 1:
+            split = full.split([rows for rows, _ in pieces])
+            results[m] = (0, 0, full.shape[0], torch.cat([newton_schulz(p, 5) for p in split]))
+            continue
+        dim = split_dim_of_pieces(pieces)
+        lo, hi = split_bounds(full.shape[dim], len(members))[rank - members.start]
+        block = full.narrow(dim, lo, hi - lo)
+        outs, start = [], 0
+        for rows, cols in pieces:  # pieces stacked by rows; a split QKV param splits by columns
+            piece = block[start : start + rows].contiguous()
+            group = blocks[members.start, len(members)]
+            outs.append(split_newton_schulz(piece, (rows, cols), group, 5))
+            start += rows
+        results[m] = (dim, lo, hi, torch.cat(outs))
+    return results
+
+
+def test_a_split_plan_executes_exactly_on_ranks_with_overlapping_blocks():
+    costs = [sum(ns_flops(r, c, 5) for r, c in pieces) for pieces in PLANNED_PIECES]
+    plan = plan_split_owners(costs, 4, PLANNED_PIECES, 5, tolerance=1.0, min_split_cost=0)
+    assert {plan.split_size(m) for m in range(len(costs))} == {1, 2, 4}
+    results = run_on_ranks(_execute_plan, 4, plan, timeout=60)
+    torch.set_float32_matmul_precision("highest")
+    for m, pieces in enumerate(PLANNED_PIECES):
+        full = _planned_matrix(m)
+        reference = torch.cat(
+            [newton_schulz(p, 5, "quintic") for p in full.split([r for r, _ in pieces])]
+        )
+        for rank in plan.members(m):
+            dim, lo, hi, block = results[rank][m]
+            expected = reference.narrow(dim, lo, hi - lo)
+            error = ((block - expected).norm() / reference.norm()).item()
+            assert error <= 1e-6, f"matrix {m} on rank {rank}: relative error {error:.2e}"
+
+
 def test_split_newton_schulz_rejects_a_block_split_along_the_wrong_dim():
     with pytest.raises(RankFailure, match="must hold block"):
         run_on_ranks(_wrong_block, 2, timeout=30)
