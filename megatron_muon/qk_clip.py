@@ -137,15 +137,23 @@ class _MaxLogitHook:
         query, key = inputs["query"], inputs["key"]  # [sq, b, np, hn], [sk, b, ng, hn]
         mask = inputs.get("attention_mask")  # bool, True = masked, broadcastable to [b, np, sq, sk]
         mask_type = inputs.get("attn_mask_type") or getattr(module, "attn_mask_type", None)
+        seq_q, batch, num_heads, _ = query.shape
+        seq_k, heads_per_key = key.size(0), num_heads // key.size(2)
+        causal = mask_type == AttnMaskType.causal and seq_q == seq_k
+        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).triu(diagonal=1)
+        per_head = []
         with torch.no_grad():
-            key = key.float().repeat_interleave(query.size(2) // key.size(2), dim=2)
-            logits = torch.einsum("qbhd,kbhd->bhqk", query.float(), key) * self.softmax_scale
-            if mask is not None:
-                logits = logits.masked_fill(mask.bool(), float("-inf"))
-            if mask_type == AttnMaskType.causal and logits.size(-1) == logits.size(-2):
-                future = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device)
-                logits = logits.masked_fill(future.triu(diagonal=1), float("-inf"))
-            batch_max = logits.amax(dim=(0, 2, 3))
+            # One head at a time: a [b, sq, sk] fp32 block, not all heads' scores at once.
+            for head in range(num_heads):
+                q, k = query[:, :, head].float(), key[:, :, head // heads_per_key].float()
+                logits = torch.einsum("qbd,kbd->bqk", q, k) * self.softmax_scale
+                if mask is not None:
+                    head_mask = mask.bool().expand(batch, num_heads, seq_q, seq_k)[:, head]
+                    logits = logits.masked_fill(head_mask, float("-inf"))
+                if causal:
+                    logits = logits.masked_fill(future, float("-inf"))
+                per_head.append(logits.amax())
+        batch_max = torch.stack(per_head)
         if self.max_logits is None:
             self.max_logits = batch_max
         else:
