@@ -64,7 +64,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
     "CheckpointError",
@@ -655,11 +661,97 @@ def _install_model_weights(chunks: list[nn.Module]) -> None:
             fsdp.install_optimized_model_weights()
 
 
-def _preprocess_uneven(state_dict: dict[str, Any]) -> None:
-    """Attaches each DTensor's true row offsets (one all_gather_object per DTensor, key order)."""
-    from megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+def _local_row_chunk(param: torch.Tensor) -> ChunkStorageMetadata | None:
+    """This rank's chunk of a Megatron-FSDP param, from local facts only; None if unknown here.
 
-    preprocess_state_dict_for_uneven_dtensor(state_dict)
+    Rows of a ``Shard(0)`` param start at ``megatron_fsdp_slice.start // row_numel`` (the slice of
+    the flattened param this rank holds; the only reliable offset under HSDP outer sharding, where
+    rank order is not row order); a ``Replicate`` param's chunk is the whole tensor.
+    """
+    local = param.to_local()
+    zeros = (0,) * local.ndim
+    placements = param.placements
+    if all(isinstance(p, Replicate) for p in placements):
+        return ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=local.shape)
+    if not all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements
+    ):
+        return None
+    fsdp_slice = getattr(param, "megatron_fsdp_slice", None)
+    row_numel = max(1, local.shape[1:].numel())
+    if fsdp_slice is None or fsdp_slice.stop - fsdp_slice.start != local.numel():
+        return None
+    if local.numel() == 0:
+        return ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=local.shape)
+    if fsdp_slice.start % row_numel:
+        return None
+    offsets = (fsdp_slice.start // row_numel, *zeros[1:])
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)
+
+
+def _attach_chunk(dtensor: DTensor, chunk: ChunkStorageMetadata) -> None:
+    """Makes DCP plan ``dtensor`` as ``chunk`` (the true uneven rows), as megatron_fsdp's
+    ``update_uneven_dtensor_chunk_metadata`` does, but with a chunk known without a collective.
+    An empty shard writes nothing (and reads nothing: it overlaps no saved chunk)."""
+
+    def write_items(fqn: str, tensor: DTensor) -> list[WriteItem]:
+        local = tensor.to_local()
+        if local.numel() == 0:
+            return []
+        return [
+            WriteItem(
+                type=WriteItemType.SHARD,
+                index=MetadataIndex(fqn, chunk.offsets),
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(local),
+                    size=tensor.size(),
+                ),
+            )
+        ]
+
+    # DTensor's checkpoint hooks (``__create_chunk_list__`` / ``__create_write_items__``) defer to
+    # these attributes of its ``_local_tensor`` (DTensor's documented extension point for DCP, the
+    # one megatron_fsdp uses). ``to_local()`` of an ``nn.Parameter`` DTensor returns a fresh view,
+    # so the attributes must go on ``_local_tensor`` itself.
+    local = dtensor._local_tensor
+    local.__create_chunk_list__ = lambda: [chunk]
+    local.__create_write_items__ = write_items
+
+
+@torch.no_grad()
+def _attach_row_chunks(inventory: _Inventory, state_dict: dict[str, Any]) -> None:
+    """Gives every DTensor in ``state_dict`` its true uneven-row chunk metadata.
+
+    A param and its state tensors (same local shape and placements) share one chunk. Chunks come
+    from ``megatron_fsdp_slice`` without communication; params where some rank cannot tell (one
+    ``all_reduce`` of flags decides, so every rank agrees) go through megatron_fsdp's
+    ``gather_and_compute_chunk_metadata`` (one ``all_gather_object`` each, in name order).
+    """
+    from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    names = [name for name, param in inventory.params if isinstance(param, DTensor)]
+    params = dict(inventory.params)
+    chunks = {name: _local_row_chunk(params[name]) for name in names}
+    known = torch.tensor([chunks[n] is not None for n in names], dtype=torch.int32)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(known, op=dist.ReduceOp.MIN)
+    state = state_dict["optimizer"]["state"]
+    for name, is_known in zip(names, known.tolist(), strict=True):
+        param = params[name]
+        chunk = chunks[name] if is_known else gather_and_compute_chunk_metadata(param)
+        _attach_chunk(param, chunk)
+        for value in state.get(name, {}).values():
+            if not isinstance(value, DTensor):
+                continue
+            same = value.to_local().shape == param.to_local().shape
+            if not (same and value.placements == param.placements):
+                raise RuntimeError(
+                    f"optimizer state of {name} is laid out unlike the param: local "
+                    f"{tuple(value.to_local().shape)} {value.placements} vs "
+                    f"{tuple(param.to_local().shape)} {param.placements}"
+                )
+            _attach_chunk(value, chunk)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -726,7 +818,7 @@ def save_checkpoint(
         common["param_groups"] = _to_bytes(_param_groups_by_name(inventory))
     state_dict = _state_dict(inventory)
     state_dict["common"] = common
-    _preprocess_uneven(state_dict)
+    _attach_row_chunks(inventory, state_dict)
     dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(temporary))
 
     error = None
@@ -809,7 +901,7 @@ def load_checkpoint(
         common[f"rng.rank{rank}"] = b""
     state_dict = _state_dict(inventory)
     state_dict["common"] = common
-    _preprocess_uneven(state_dict)
+    _attach_row_chunks(inventory, state_dict)
     dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
 
     loaded = {key: _from_bytes(value) for key, value in state_dict["common"].items()}
