@@ -7,11 +7,12 @@ untimed ones (the two methods timed alternately), the speedup standard/gram, and
 ``ns_flops`` predicts. Ratio 1 shows the fallback (Gram runs standard NS on near-square matrices).
 
 Precisions: ``fp32`` (matmul precision ``"highest"``) compares both methods at the same precision.
-``--half`` adds the ``"medium"`` paths: standard NS in bf16 against Gram NS in bf16 (row ``bf16``,
-same precision, restart every 2 steps) and in fp16 (row ``fp16``, one restart per 3 steps). Most
-CPUs emulate fp16 GEMMs (~100x slower), so the fp16 row says more about the CPU than the method.
+``--precisions bf16 fp16`` times the ``"medium"`` paths: standard NS in bf16 against Gram NS in
+bf16 (row ``bf16``, same precision, restart every 2 steps) and in fp16 (row ``fp16``, one restart
+per 3 steps). Most CPUs emulate fp16 GEMMs (~100x slower): that row measures the CPU, not Gram NS.
 
-Usage: ``python -m benchmarks.ns_methods [--k 256] [--ratios 1 4 8] [--half] [--json PATH]``;
+Usage: ``python -m benchmarks.ns_methods [--k 256] [--ratios 1 4 8] [--precisions fp32 bf16]
+[--json PATH]``;
 ``main(argv)`` is what ``make bench`` calls.
 """
 
@@ -157,13 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=256, help="short side of each matrix")
     parser.add_argument("--ratios", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--experts", type=int, default=4, help="3-D stack size (0: none)")
-    parser.add_argument("--half", action="store_true", help="also time medium and bf16 paths")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=["fp32", "bf16", "fp16"],
+        default=["fp32"],
+        help="fp32: both methods in fp32; bf16 / fp16: 'medium' precision, standard NS in bf16, "
+        "Gram NS in bf16 / fp16",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", default=None, help="write timings to this JSON file")
     args = parser.parse_args(argv)
-    precisions: list[PrecisionT] = ["fp32", "bf16", "fp16"] if args.half else ["fp32"]
-    timings = run(args.k, args.ratios, precisions, args.experts, args.warmup, args.repeats)
+    timings = run(args.k, args.ratios, args.precisions, args.experts, args.warmup, args.repeats)
     print("Newton-Schulz: Gram vs standard, 5 quintic steps, CPU, 1 thread, median of repeats")
     print(format_table(timings))
     if args.json:
