@@ -367,6 +367,62 @@ def test_expert_momentum_survives_save_and_load_at_another_dp_size(tmp_path):
     _assert_resharded(reference, results)
 
 
+# Plain DTensors in a plain module: no megatron_fsdp_slice, chunks from megatron_fsdp's gather.
+CONSTRUCTED_SHAPES = [(16, 8), (7, 12)]
+CONSTRUCTED_SPLITS = {2: [[5, 11], [0, 7]], 3: [[3, 3, 10], [7, 0, 0]]}
+
+
+def _constructed(rank, world_size, path, save) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_muon import ShardedMuon
+    from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    module = torch.nn.Module()
+    for index, (shape, rows) in enumerate(
+        zip(CONSTRUCTED_SHAPES, CONSTRUCTED_SPLITS[world_size], strict=True)
+    ):
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(index + 10 * save))
+        start = sum(rows[:rank])
+        local = full[start : start + rows[rank]].clone()
+        dtensor = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+        module.register_parameter(f"w{index}", torch.nn.Parameter(dtensor))
+    optimizer = ShardedMuon(list(module.parameters()), **MUON_KWARGS)
+    if save:
+        for index, param in enumerate(module.parameters()):
+            grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(100 + index))
+            rows = CONSTRUCTED_SPLITS[world_size][index]
+            start = sum(rows[:rank])
+            param.grad = DTensor.from_local(
+                grad[start : start + rows[rank]].clone(),
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        optimizer.step()
+        save_checkpoint(path, module, optimizer, iteration=1)
+    else:
+        load_checkpoint(path, module, optimizer)
+    return _full_snapshot(module, [optimizer])
+
+
+def test_plain_uneven_dtensors_without_fsdp_slices_reshard_through_gathered_chunks(tmp_path):
+    path = str(tmp_path / "plain")
+    saved = run_on_ranks(_constructed, 2, path, True)[0]
+    for loaded in run_on_ranks(_constructed, 3, path, False):
+        for name, tensor in saved["params"].items():
+            assert torch.equal(loaded["params"][name], tensor), name
+            momentum = saved["state"][name]["momentum_buffer"]
+            assert momentum.abs().sum() > 0
+            assert torch.equal(loaded["state"][name]["momentum_buffer"], momentum), name
+
+
 # --------------------------------------------------------------------------------------------------
 # errors: every rank raises the same error, naming what is wrong; nothing is changed
 # --------------------------------------------------------------------------------------------------
