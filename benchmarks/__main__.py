@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         "exchange_transient": exchange_transient_section(results["optimizer_step"]),
     }
     results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
-    (peak,) = run_ranks(matmul_rate, 1, args.device, config.matmul_size, 2 * config.repeats + 1)
+    # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.
+    matmul_size = 8192 if args.device == "cuda" else config.matmul_size
+    (peak,) = run_ranks(matmul_rate, 1, args.device, matmul_size, 2 * config.repeats + 1)
     results["matmul_peak"] = {"dtype": "bf16", **peak}
     results["meta"] = {
         "device": args.device,
