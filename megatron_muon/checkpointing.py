@@ -575,7 +575,11 @@ def _agree(error: BaseException | None) -> None:
             if error is not None and rank == dist.get_rank():
                 raise error
             suffix = "" if dist.get_world_size() == 1 else f" (reported by rank {rank})"
-            raise kind(message + suffix)
+            try:
+                peer_error = kind(message + suffix)
+            except TypeError:  # an exception type whose constructor takes more than a message
+                peer_error = CheckpointError(f"{kind.__name__}: {message}{suffix}")
+            raise peer_error
 
 
 def _directory_files(path: str) -> dict[str, int]:
@@ -629,8 +633,13 @@ def _read_marker(path: str) -> dict[str, Any]:
             f"checkpoint {path} is incomplete: no completion marker {MARKER_NAME} (the save was "
             "interrupted, or this is not a megatron_muon checkpoint)"
         )
-    with open(marker) as handle:
-        manifest = json.load(handle)
+    try:
+        with open(marker) as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete: its marker {MARKER_NAME} is unreadable ({error})"
+        ) from None
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointMismatchError(
             f"checkpoint {path} has format {manifest.get('format')} version "
@@ -792,6 +801,8 @@ def save_checkpoint(
         The directory, its size in bytes and the seconds the save took.
     """
     start = time.perf_counter()
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
     path = os.fspath(path)
     temporary = path + INCOMPLETE_SUFFIX
     chunks = _as_chunks(model_chunks)

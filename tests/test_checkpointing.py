@@ -547,3 +547,28 @@ def test_an_interrupted_save_never_loads_as_valid(tmp_path):
     _assert_load_fails(
         path + INCOMPLETE_SUFFIX, "IncompleteCheckpointError", "no completion marker"
     )
+
+
+def _save_twice(rank, world_size, path) -> dict:
+    from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
+
+    wrapped, optimizers, scheduler = _build(world_size, "optim")
+    save_checkpoint(path, wrapped, optimizers, scheduler, iteration=1)
+    try:
+        save_checkpoint(path, wrapped, optimizers, scheduler, iteration=2)
+        refused = ""
+    except FileExistsError as error:
+        refused = str(error)
+    save_checkpoint(path, wrapped, optimizers, scheduler, iteration=3, overwrite=True)
+    return {"refused": refused, "iteration": load_checkpoint(path, wrapped, optimizers).iteration}
+
+
+def test_an_existing_checkpoint_is_replaced_only_with_overwrite(tmp_path):
+    from megatron_muon.checkpointing import INCOMPLETE_SUFFIX
+
+    path = str(tmp_path / "ckpt")
+    for result in run_on_ranks(_save_twice, 2, path):
+        assert "exists (pass overwrite=True to replace)" in result["refused"], result
+        assert result["iteration"] == 3
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], os.listdir(tmp_path)
+    assert not os.path.exists(path + INCOMPLETE_SUFFIX)
