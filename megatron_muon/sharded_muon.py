@@ -103,6 +103,9 @@ class ShardedMuon(TensorParallelMuon):
         offload_momentum: keep momentum in (pinned, on GPU machines) CPU memory between steps; it
             is brought back to the param's device for the step. Results are bitwise unchanged.
             Momentum stays resident from ``state_dict()`` until the end of the next step.
+        min_split_flops: a matrix whose NS costs at least this many FLOPs may have its NS split
+            over a small block of ranks when one owner per matrix cannot balance the load
+            (``planner.plan_split_owners``); ``0`` allows splitting any matrix.
 
     Params: DTensors with ``Shard(0)`` (1-D mesh, or the shard dim of an HSDP mesh) or ``Replicate``
     placements, or plain tensors (replicated over ``dp_group``); 2-D ``(out, in)`` matrices or 3-D
@@ -136,6 +139,7 @@ class ShardedMuon(TensorParallelMuon):
         ns_method: NSMethodT = "standard",
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
         offload_momentum: bool = False,
+        min_split_flops: int = 10**11,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -187,6 +191,7 @@ class ShardedMuon(TensorParallelMuon):
             )
         self.dp_group = dp_group
         self.offload_momentum = offload_momentum
+        self.min_split_flops = min_split_flops
         self._offloaded: dict[torch.Tensor, torch.Tensor] = {}
         self.mode: FsdpModeT = mode
         self.bucket_size_bytes = bucket_size_bytes
@@ -593,7 +598,13 @@ class ShardedMuon(TensorParallelMuon):
                 None if self._needs_tp_collectives(params[i]) else job
                 for i, job in zip(matrices, pieces, strict=True)
             ]
-            owner_plan = plan_split_owners(costs, dp_size, splittable, self.ns_config.num_ns_steps)
+            owner_plan = plan_split_owners(
+                costs,
+                dp_size,
+                splittable,
+                self.ns_config.num_ns_steps,
+                min_split_cost=self.min_split_flops,
+            )
         else:
             owner_plan = plan_owners(costs, dp_size)
         work = [

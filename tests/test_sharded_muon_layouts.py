@@ -349,3 +349,82 @@ def test_matches_unsharded_muon_on_megatron_fsdp_hsdp_layouts(outer):
     results = run_on_ranks(_run_real_hsdp, 4, outer)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+
+
+# --------------------------------------------------------------------------------------------------
+# split-matrix NS: a plan that shares one matrix's NS over a block of ranks is executed exactly
+# --------------------------------------------------------------------------------------------------
+
+SPLIT_CASES = {
+    # one wide matrix dominates: split by columns over 4 ranks; a tall one split by rows
+    "wide_and_tall": ([(64, 256), (256, 48), (8, 8)], None),
+    # a QKV param (pieces wide) split by columns over 2 ranks, a tall matrix over the other 2
+    "qkv_by_columns": ([(2 * 32, 96), (128, 32), (16, 16)], [16, 8, 8]),
+}
+
+
+def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_muon import ShardedMuon
+
+    shapes, qkv_split = SPLIT_CASES[case]
+    mesh = init_device_mesh("cpu", (world_size,))
+    splits = [[r // 2, 0, r - r // 2 - r // 4, r // 4] for r, _ in shapes]  # uneven, one empty
+    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+
+    def rows(i: int) -> slice:
+        start = sum(splits[i][:rank])
+        return slice(start, start + splits[i][rank])
+
+    def dtensor(i: int, full: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            full[rows(i)].clone(),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+
+    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    kwargs = dict(MUON_KWARGS)
+    if qkv_split is not None:
+        params[0].is_qkv = reference_params[0].is_qkv = True
+        kwargs.update(
+            split_qkv=True,
+            is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+            qkv_split_shapes=qkv_split,
+        )
+    optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
+    reference = TensorParallelMuon(reference_params, **kwargs)
+    _step_both(
+        params,
+        reference_params,
+        optimizer,
+        reference,
+        lambda i, g: None if splits[i][rank] == 0 else dtensor(i, g),
+        steps=2,
+    )
+    plan = optimizer.owner_plan()
+    return {
+        "split_sizes": plan.split_sizes,
+        "errors": [
+            _relative(p.to_local(), ref.detach()[rows(i)], ref.detach())
+            for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
+        ],
+        "flops": optimizer.step_stats.ns_flops,
+    }
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_split_matrix_ns_plans_are_executed_exactly(case):
+    results = run_on_ranks(_run_split_plan, 4, case, "owner")
+    assert any(size > 1 for size in results[0]["split_sizes"]), results[0]["split_sizes"]
+    for result in results:
+        assert max(result["errors"]) <= TOLERANCE, result
+    flops = [r["flops"] for r in results]
+    assert max(flops) <= 1.15 * sum(flops) / len(flops), flops
