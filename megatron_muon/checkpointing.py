@@ -14,25 +14,28 @@ placements (``Shard(0)`` by whole rows over the data-parallel mesh, or ``Replica
   buffers of the module as plain tensors;
 - ``optimizer.state.<name>.<key>``: ``momentum_buffer`` (Muon), ``exp_avg`` / ``exp_avg_sq`` /
   ``step`` (Adam, AdamW);
-- ``optimizer.param_groups`` (hyperparameters, params by name), ``scheduler``, ``iteration``,
-  ``extra`` (written once, by rank 0) and ``rng.rank<r>`` (each rank's RNG states).
+- ``common.param_groups`` (hyperparameters, params by name), ``common.scheduler``,
+  ``common.iteration``, ``common.extra`` (written once, by rank 0) and ``common.rng.rank<r>`` (each
+  rank's RNG states), pickled whole.
 
 Megatron-FSDP's row shards are uneven and often empty, while DTensor's own chunk metadata assumes
-``torch.chunk`` splits (REFERENCE.md section 3); megatron_fsdp's
-``preprocess_state_dict_for_uneven_dtensor`` attaches the true row offsets to each DTensor before
-DCP plans the save or the load, so each rank writes exactly its own rows (nothing for an empty
-shard) and a load at another data-parallel size or sharding strategy reads exactly the rows it
-holds: checkpoints reshard.
+``torch.chunk`` splits (REFERENCE.md section 3). Before DCP plans a save or a load, each DTensor
+gets its true chunk, as megatron_fsdp's ``preprocess_state_dict_for_uneven_dtensor`` does, but
+computed from the param's ``megatron_fsdp_slice`` without communication (megatron_fsdp's
+per-tensor ``all_gather_object`` took 80% of a demo model's save + load) and shared by the param
+and its state tensors; params without that attribute fall back to megatron_fsdp's gather. So each
+rank writes exactly its own rows (nothing for an empty shard), and a load at another
+data-parallel size or sharding strategy reads exactly the rows it now holds: checkpoints reshard.
 
 Invariants this module keeps:
 
 - **Rank-symmetric state.** Every rank holds state for every param of its optimizers before a save
-  or a load (``ensure_optimizer_state``): DCP's planning and the uneven-DTensor preprocessing run
-  one collective per DTensor, so a state key missing on one rank (AdamW creates state lazily, and a
-  rank with 0 rows of a param never gets a grad) hangs or desynchronises them (REFERENCE.md
-  section 8). State is created without taking an optimizer step (a zero-grad step would apply
-  decoupled weight decay: the dummy-step hazard, section 5), and Adam's per-param ``step`` is set
-  to the real count, the maximum over the param's data-parallel mesh.
+  or a load (``ensure_optimizer_state``). AdamW creates state lazily, and a rank with 0 rows of a
+  param never gets a grad: its keys would differ from its peers', which hangs megatron_fsdp's
+  per-DTensor collectives and Megatron's fsdp_dtensor save (REFERENCE.md section 8) and here would
+  leave the rank's rows of that state unwritten. State is created without an optimizer step (a
+  zero-grad step would apply decoupled weight decay: the dummy-step hazard, section 5), and Adam's
+  per-param ``step`` is set to the real count, the maximum over the param's data-parallel mesh.
 - **Atomic saves.** DCP writes into ``<path>.incomplete``; once every rank has finished, rank 0
   writes the completion marker ``megatron_muon_checkpoint.json`` (file list with sizes, param
   shapes, optimizer kinds) and renames the directory to ``<path>``. An interrupted save leaves no
@@ -41,8 +44,9 @@ Invariants this module keeps:
   compatibility of model and optimizer with the checkpoint; all ranks agree on the outcome (one
   ``all_gather_object``) and raise the same error, naming what differs.
 
-Limits: one pipeline stage and expert-parallel size 1 (names are the model chunk's own parameter
-names, as Megatron's ``get_global_unique_param_name`` gives them when PP = EP = 1); RNG states are
+Limits: tensor-, pipeline- and expert-parallel size 1 (names are the model chunk's own parameter
+names, as Megatron's ``get_global_unique_param_name`` gives them when PP = EP = 1, and TP shards of
+one param would share a name); RNG states are
 restored only when the data-parallel world size is unchanged (elsewhere there is no rank-to-rank
 correspondence, and ``LoadedCheckpoint.rng_restored`` is False).
 """
@@ -287,6 +291,13 @@ def _create_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Te
         state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a small tensor for a collective over ``group`` must live (NCCL: the current GPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _param_process_groups(param: torch.Tensor) -> list[dist.ProcessGroup]:
     """The groups of the param's mesh dims (data-parallel replicas, shards); none if plain."""
     if not isinstance(param, DTensor):
@@ -327,7 +338,8 @@ def ensure_optimizer_state(optimizer: Any) -> None:
     # One all_reduce per mesh dim of each distinct mesh, in first-appearance order (the same on
     # every rank of the mesh: Megatron-FSDP gives every rank the same params in the same order).
     for key, steps in stepped.items():
-        values = torch.stack([s.detach().to("cpu", torch.float64) for s in steps])
+        device = _collective_device(mesh_groups[key][0])
+        values = torch.stack([s.detach().to(device, torch.float64) for s in steps])
         for group in mesh_groups[key]:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         for step, value in zip(steps, values.tolist(), strict=True):
@@ -742,7 +754,9 @@ def _attach_row_chunks(inventory: _Inventory, state_dict: dict[str, Any]) -> Non
     names = [name for name, param in inventory.params if isinstance(param, DTensor)]
     params = dict(inventory.params)
     chunks = {name: _local_row_chunk(params[name]) for name in names}
-    known = torch.tensor([chunks[n] is not None for n in names], dtype=torch.int32)
+    known = torch.tensor(
+        [chunks[n] is not None for n in names], dtype=torch.int32, device=_collective_device(None)
+    )
     if dist.get_world_size() > 1:
         dist.all_reduce(known, op=dist.ReduceOp.MIN)
     state = state_dict["optimizer"]["state"]
