@@ -166,27 +166,24 @@ def format_report(results: dict) -> str:
 
 
 def missing_figures(results: dict) -> list[str]:
-    """Paths of ``REQUIRED_FIGURES`` absent from ``results`` (``*`` matches every key)."""
-    missing = []
+    """Each ``REQUIRED_FIGURES`` path absent from ``results``, with ``*`` replaced by the keys
+    present (a ``*`` level with no keys at all is reported with the ``*`` in place)."""
+    missing: list[str] = []
 
-    def walk(node, parts: list[str], path: str) -> None:
+    def walk(node: object, parts: list[str], done: list[str]) -> None:
         if not parts:
             return
         head, rest = parts[0], parts[1:]
-        if head == "*":
-            if not isinstance(node, dict) or not node:
-                missing.append(path + ".*")
-                return
+        if head == "*" and isinstance(node, dict) and node:
             for key, child in node.items():
-                walk(child, rest, f"{path}.{key}")
-            return
-        if not isinstance(node, dict) or head not in node or node[head] is None:
-            missing.append(f"{path}.{head}".lstrip("."))
-            return
-        walk(node[head], rest, f"{path}.{head}")
+                walk(child, rest, [*done, key])
+        elif head != "*" and isinstance(node, dict) and node.get(head) is not None:
+            walk(node[head], rest, [*done, head])
+        else:
+            missing.append(".".join(done + parts))
 
     for figure in REQUIRED_FIGURES:
-        walk(results, figure.split("."), "")
+        walk(results, figure.split("."), [])
     return missing
 
 

@@ -18,7 +18,7 @@ def test_quick_benchmark_writes_every_required_figure(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=300,  # about 40 s on an idle 2-core machine; much more when it is shared
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -41,4 +41,4 @@ def test_missing_figures_names_what_is_absent():
     missing = missing_figures(results)
     assert "optimizer_step.dense.by_dp.2.gather_s" in missing
     assert "training_step.muon_step_s" in missing
-    assert "optimizer_step.moe" in missing
+    assert "optimizer_step.moe.by_dp.*.owner_s" in missing
