@@ -1,0 +1,293 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``) with ``--optimizer muon``.
+
+Every launch runs ``examples/pretrain_gpt_megatron.py`` under ``torchrun`` on CPU/gloo ranks
+(tiny GPT: 2 layers, hidden 64, mock data; ``tests/torchrun.py``) and reads the loop's own log
+lines. These are the slowest tests of the project (a launch is 10-40 s on 2 shared cores), so one
+launch serves several checks: the DP=1 Muon run is the reference of all four strategies, and the
+optim_grads_params run also writes the checkpoints the resume test starts from.
+
+Numerics: Muon runs with ``--muon-fp32-matmul-prec high``. Under the default "medium",
+Newton-Schulz matmuls run in bf16 on CPU, and the summation-order differences of a DP=2 gradient
+reduction (~1e-7 relative) flip bf16 roundings: DP=2 and DP=1 losses then drift apart by ~1e-4
+within 5 steps. In fp32 they agree to every printed digit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.torchrun import MegatronRun, run_megatron
+
+pytestmark = pytest.mark.timeout(900)
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+NUM_ITERS = 6
+SAVE_AT = 3
+MUON_FLAGS = [
+    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
+    *("--train-iters", str(NUM_ITERS)),
+]
+RELATIVE_TOLERANCE = 1e-5  # the log prints 7 significant digits
+
+
+def assert_loss_falls(losses: list[float], num_iters: int = 5) -> None:
+    """The loss over the first ``num_iters`` iterations falls by at least 5%.
+
+    A run whose compute weights never change (stock megatron-core's Muon under no_shard, which
+    steps the main weights but never installs them: REFERENCE.md section 7) prints the same loss
+    at every iteration and fails here.
+    """
+    first, last = losses[0], losses[num_iters - 1]
+    assert last < 0.95 * first, f"loss did not fall over {num_iters} iterations: {losses}"
+
+
+def assert_same_losses(run: list[float], reference: list[float]) -> None:
+    """Per-iteration losses equal to ``RELATIVE_TOLERANCE``."""
+    assert len(run) == len(reference), (run, reference)
+    for iteration, (value, expected) in enumerate(zip(run, reference, strict=True), start=1):
+        assert abs(value - expected) <= RELATIVE_TOLERANCE * abs(expected), (
+            f"iteration {iteration}: {value} vs {expected}\nrun: {run}\nreference: {reference}"
+        )
+
+
+def _strategy(name: str) -> list[str]:
+    return ["--data-parallel-sharding-strategy", name]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("megatron_lm_ckpt")
+
+
+@pytest.fixture(scope="module")
+def muon_dp1() -> MegatronRun:
+    """The DP=1 reference: the same global batch (4) in 4 micro-batches on one rank."""
+    return run_megatron([*MUON_FLAGS, *_strategy("optim_grads_params")], nproc=1)
+
+
+_DP2_RUNS: dict[str, MegatronRun] = {}
+
+
+def muon_dp2(strategy: str, checkpoint_root: Path) -> MegatronRun:
+    """The DP=2 Muon run of ``strategy`` (optim_grads_params also saves at 3 and 6)."""
+    if strategy not in _DP2_RUNS:
+        extra = []
+        if strategy == "optim_grads_params":
+            extra = ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", "3"]
+        _DP2_RUNS[strategy] = run_megatron([*MUON_FLAGS, *_strategy(strategy), *extra], nproc=2)
+    return _DP2_RUNS[strategy]
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process: what install() patches and what it leaves alone
+# --------------------------------------------------------------------------------------------------
+
+
+def _parsed(monkeypatch: pytest.MonkeyPatch, flags: str) -> argparse.Namespace:
+    from megatron.training import arguments
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    return arguments.parse_args()
+
+
+_BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 5 "
+    "--lr 0.01 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--no-gradient-accumulation-fusion "
+)
+_FSDP = "--use-megatron-fsdp --ckpt-format fsdp_dtensor "
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``install()`` without CPU stand-ins (they patch torch.cuda for the whole process)."""
+    from megatron.training import arguments
+
+    from megatron_muon.integrations import megatron_lm
+
+    megatron_lm.install(cpu_stand_ins=False)
+    megatron_lm.install(cpu_stand_ins=False)  # idempotent: nothing is wrapped twice
+    # validate_args asks the GPU's compute capability under Megatron-FSDP.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 0)
+    return arguments
+
+
+def test_install_is_idempotent_and_wraps_each_function_once(installed: Any) -> None:
+    from megatron.training import training
+
+    validate = installed.validate_args
+    assert not hasattr(validate.__wrapped__, "__wrapped__")
+    assert not hasattr(installed.parse_args.__wrapped__, "__wrapped__")
+    routed = training.get_megatron_optimizer
+    assert routed._megatron_muon_routed
+    assert not hasattr(routed.__wrapped__, "_megatron_muon_routed")
+
+
+def test_validate_args_accepts_muon_with_megatron_fsdp_only_after_install(
+    installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stock = installed.validate_args.__wrapped__
+    flags = _BASE + _FSDP + "--optimizer muon --data-parallel-sharding-strategy optim"
+    with pytest.raises(AssertionError, match="Megatron-FSDP does not support the muon"):
+        stock(_parsed(monkeypatch, flags))
+    args = installed.validate_args(_parsed(monkeypatch, flags))
+    assert args.optimizer == "muon"
+    assert args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor"
+    assert not args.use_layer_wise_distributed_optimizer
+    assert args.muon_fsdp_mode == "owner"  # our flags reach Megatron's parser
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        _BASE + _FSDP + "--optimizer adam --data-parallel-sharding-strategy optim_grads_params",
+        _BASE + "--optimizer muon --ckpt-format torch_dist",
+        _BASE + "--optimizer sgd",
+    ],
+    ids=["adam+fsdp", "muon-without-fsdp", "sgd"],
+)
+def test_validate_args_is_stock_for_every_other_combination(
+    installed: Any, monkeypatch: pytest.MonkeyPatch, flags: str
+) -> None:
+    stock = installed.validate_args.__wrapped__
+    expected = vars(stock(_parsed(monkeypatch, flags)))
+    got = vars(installed.validate_args(_parsed(monkeypatch, flags)))
+    assert got == expected
+
+
+def test_install_refuses_an_unchecked_megatron_core_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.core import package_info
+
+    from megatron_muon.integrations import megatron_lm
+
+    monkeypatch.setattr(package_info, "__shortversion__", "0.20.0")
+    with pytest.raises(RuntimeError, match="megatron-core 0.20.0 is installed"):
+        megatron_lm.install(cpu_stand_ins=False)
+
+
+def test_loss_check_rejects_a_flat_no_shard_run() -> None:
+    # Stock megatron-core's Muon under no_shard on 2 ranks (REFERENCE.md section 7).
+    with pytest.raises(AssertionError, match="did not fall"):
+        assert_loss_falls([5.56916] * 5)
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun: the real loop
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
+    strategy: str, muon_dp1: MegatronRun, checkpoint_root: Path
+) -> None:
+    run = muon_dp2(strategy, checkpoint_root)
+    losses = run.series("lm loss")
+    print(
+        f"\n{strategy} DP=2 lm loss: {losses}\n{'':{len(strategy)}} DP=1 lm loss: "
+        f"{muon_dp1.series('lm loss')}  ({run.wall_s:.1f} s)"
+    )
+    assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
+    assert_loss_falls(losses)
+    assert_same_losses(losses, muon_dp1.series("lm loss"))
+    assert_same_losses(run.series("grad norm"), muon_dp1.series("grad norm"))
+
+
+def _load_checkpoint(directory: Path) -> dict[str, Any]:
+    """A ``fsdp_dtensor`` checkpoint as flat {dotted key: full tensor or object} (one process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = directory.parent / f"{directory.parent.name}_{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(target))
+    nested = torch.load(target, weights_only=False)
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = value
+
+    walk(nested, "")
+    return flat
+
+
+def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: Path) -> None:
+    uninterrupted = muon_dp2("optim_grads_params", checkpoint_root)
+    # A Muon matrix that some rank holds no rows of: its state must still exist on that rank.
+    empty_on_some_rank = [
+        name
+        for name, (rows, total) in uninterrupted.layouts[0].items()
+        if "linear_" in name
+        and name.endswith("weight")
+        and total > 0
+        and 0 in (rows, uninterrupted.layouts[1][name][0])
+    ]
+    assert empty_on_some_rank, uninterrupted.layouts
+
+    resumed = run_megatron(
+        [
+            *MUON_FLAGS,
+            *_strategy("optim_grads_params"),
+            *("--load", str(checkpoint_root / "uninterrupted"), "--ckpt-step", str(SAVE_AT)),
+            # The CPU RNG stand-in's CUDA state is a dummy; Megatron exits with rc=0 (having
+            # trained nothing) when it cannot restore it, so RNG state is not loaded.
+            "--no-load-rng",
+            *("--save", str(checkpoint_root / "resumed"), "--save-interval", "3"),
+        ],
+        nproc=2,
+    )
+    assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
+    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
+        assert (
+            resumed.iterations[iteration]["grad norm"]
+            == (uninterrupted.iterations[iteration]["grad norm"])
+        )
+    # Megatron logs the first iteration after a start without resetting its loss sum, so the
+    # next line prints the mean of both (in the uninterrupted run too, at iteration 2).
+    first, second = SAVE_AT + 1, SAVE_AT + 2
+    assert resumed.iterations[first]["lm loss"] == uninterrupted.iterations[first]["lm loss"]
+    for iteration in range(second + 1, NUM_ITERS + 1):
+        assert (
+            resumed.iterations[iteration]["lm loss"]
+            == (uninterrupted.iterations[iteration]["lm loss"])
+        )
+
+    final = f"iter_{NUM_ITERS:07d}"
+    expected = _load_checkpoint(checkpoint_root / "uninterrupted" / final)
+    got = _load_checkpoint(checkpoint_root / "resumed" / final)
+    tensors = sorted(k for k, v in expected.items() if torch.is_tensor(v))
+    assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors
+    momentum = [k for k in tensors if k.endswith("momentum_buffer")]
+    params = [k for k in tensors if k.startswith("model.") and "linear_" in k]
+    assert momentum and params
+    for name in empty_on_some_rank:
+        short = name.split("module.module.", 1)[-1]
+        assert any(short in k for k in momentum), (short, momentum)
+    differing = [k for k in tensors if not torch.equal(got[k], expected[k])]
+    assert not differing, f"resumed run differs from the uninterrupted one in {differing}"
+    print(
+        f"\nresume: {len(tensors)} tensors bit-identical ({len(momentum)} Muon momentum buffers, "
+        f"{len(params)} linear params); rows 0 on a rank: {empty_on_some_rank}"
+    )
+
+
+def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
+    flags = [
+        *("--optimizer adam --lr 0.01 --train-iters 4").split(),
+        *_strategy("optim"),
+    ]
+    stock = run_megatron(flags, nproc=2, install=False)
+    with_install = run_megatron(flags, nproc=2, install=True)
+    assert stock.iterations == with_install.iterations
+    losses = stock.series("lm loss")
+    assert losses[-1] < losses[0], losses
