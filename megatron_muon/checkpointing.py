@@ -877,6 +877,10 @@ def load_checkpoint(
     Megatron-FSDP's compute weights (as after an optimizer step), param-group hyperparameters and
     the scheduler are restored, and, when the world size is unchanged and ``load_rng``, the RNGs.
 
+    The checks cover every failure known before reading (missing, incomplete, mismatched); an I/O
+    error during DCP's read itself (disk failure) raises on all ranks but may leave tensors partly
+    overwritten: load again, or restart.
+
     Returns:
         The saved iteration and ``extra``, the world size at save time, whether RNGs were restored.
 
