@@ -78,6 +78,30 @@ class ToyMoE(torch.nn.Module):
         return torch.einsum("be,bed->bd", weights, outputs)
 
 
+def _hsdp_wrap(module: torch.nn.Module, outer: str):
+    """megatron_fsdp HSDP on 4 ranks: a (2 outer x 2 fsdp) mesh, inner optim_grads_params; outer
+    ``optim`` shards rows over both dims with rank order unlike row order (REFERENCE.md section 3).
+    Returns the wrapped module and the 4-rank group the rows are sharded over."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("outer", "fsdp", "tp"))
+    hsdp_group = mesh["outer", "fsdp"]._flatten("hsdp").get_group()
+    wrapped = megatron_fsdp.fully_shard_model(
+        module,
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        dp_outer_dim="outer",
+        tp_dim="tp",
+        hybrid_fsdp_group=hsdp_group,
+        device=torch.device("cpu"),
+        zero_dp_strategy="optim_grads_params",
+        outer_dp_sharding_strategy=outer,
+        fsdp_unit_modules=[torch.nn.Linear],
+    )
+    return wrapped, hsdp_group
+
+
 def _build(
     world_size: int,
     strategy: str,
@@ -97,7 +121,11 @@ def _build(
 
     torch.manual_seed(seed)
     module = ToyMoE() if moe else ToyMLP(dim=DIM, hidden=hidden)
-    wrapped = fully_shard_toy(module, world_size, strategy)
+    dp_group = None
+    if strategy.startswith("hsdp_"):
+        wrapped, dp_group = _hsdp_wrap(module, outer=strategy.removeprefix("hsdp_"))
+    else:
+        wrapped = fully_shard_toy(module, world_size, strategy)
     named = named_optimizer_params(wrapped)
     matrices = [p for _, p in named if p.ndim == 2 and not all_adam]
     experts = [p for _, p in named if p.ndim == 3]
@@ -107,7 +135,7 @@ def _build(
         expert_group = dist.new_group(list(range(world_size)))
         optimizers.insert(0, ShardedMuon(experts, dp_group=expert_group, **MUON_KWARGS))
     if matrices:
-        optimizers.insert(0, ShardedMuon(matrices, **MUON_KWARGS))
+        optimizers.insert(0, ShardedMuon(matrices, dp_group=dp_group, **MUON_KWARGS))
     ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
     return wrapped, optimizers, WarmupScheduler(optimizers)
 
@@ -352,6 +380,20 @@ def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
 ):
     path, reference = dp2_checkpoint
     _assert_resharded(reference, run_on_ranks(_load_and_snapshot, world_size, strategy, path))
+
+
+@pytest.mark.parametrize("outer", ["optim"])
+def test_hsdp_checkpoint_loads_onto_plain_fsdp_with_every_row_in_place(outer, tmp_path):
+    """Saved under HSDP (4 ranks; outer optim: (Shard(0), Shard(0)), rank order unlike row order),
+    loaded at DP=3 optim: params and all optimizer state bitwise the saved ones."""
+    path = str(tmp_path / "hsdp")
+    reference = run_on_ranks(_save_and_snapshot, 4, f"hsdp_{outer}", path, 2)[0]
+    for result in run_on_ranks(_load_and_snapshot, 3, "optim", path):
+        for name, tensor in reference["saved"]["params"].items():
+            assert torch.equal(result["loaded"]["params"][name], tensor), name
+        for name, state in reference["saved"]["state"].items():
+            for key, tensor in state.items():
+                assert torch.equal(result["loaded"]["state"][name][key], tensor), f"{name}.{key}"
 
 
 def test_expert_momentum_survives_save_and_load_at_another_dp_size(tmp_path):
