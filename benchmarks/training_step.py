@@ -58,7 +58,8 @@ class _Trainer:
         from megatron.core.transformer import TransformerConfig
 
         self.device = device
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         torch.manual_seed(0)
         model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
         config = TransformerConfig(
