@@ -19,9 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_muon.split_newton_schulz import split_dim_of_pieces, split_pieces_flops
+from megatron_muon.split_newton_schulz import (
+    split_dim_of_pieces,
+    split_ns_bytes,
+    split_pieces_flops,
+)
 
 __all__ = ["OwnerPlan", "plan_owners", "plan_split_owners"]
+
+# Target shares tried: T, T/2, ... (finer ones let big matrices split further than small ones).
+_GRANULARITIES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,19 +115,21 @@ def plan_split_owners(
     tolerance: float = 1.05,
     slack: float = 0.01,
     min_split_cost: int = 10**11,
-    num_targets: int = 12,
+    flops_per_byte: float = 1000.0,
+    element_bytes: int = 2,
+    num_targets: int = 6,
 ) -> OwnerPlan:
     """``plan_owners``, splitting the largest matrices' NS over small aligned blocks where it helps.
 
     Starts from ``plan_owners``; if its max/mean load exceeds ``tolerance``, tries target per-rank
-    loads ``T`` between the lower bound and the unsplit makespan, each with a granularity ``d`` in
-    1, 2, 3: each splittable matrix gets the smallest power-of-two block (at most ``max_split``
-    and ``group_size``) whose per-rank share is at most ``T / d`` (``d > 1`` cuts matrices that
-    fit ``T`` but would pair badly, e.g. 70 matrices of 0.7 T on 64 ranks); then largest share
-    first, each matrix goes onto the least-loaded rank (block size 1) or the aligned block with
-    the smallest maximum load. Of the plans whose makespan is within ``slack`` of the smallest, the
-    one that splits least wins (least ``sum (g - 1) k^2`` over split pieces: the split NS
-    collectives' volume), ties to the earlier tried.
+    loads ``T`` between the lower bound and the unsplit makespan, each with a granularity ``d``
+    (``_GRANULARITIES``): each splittable matrix gets the smallest power-of-two block (at most
+    ``max_split`` and ``group_size``) whose per-rank share is at most ``T / d`` (``d > 1`` cuts
+    matrices that fit ``T`` but would pack badly, e.g. 70 matrices of 0.7 T on 64 ranks); then
+    largest share first, each matrix goes onto the least-loaded rank (block size 1) or the aligned
+    block with the smallest maximum load. Of the plans whose makespan is within ``slack`` of the
+    smallest, the one that splits least wins (least ``sum (g - 1) k^2`` over split pieces: the
+    split NS collectives' volume), ties to the earlier tried.
 
     Args:
         costs: NS cost of each matrix (``ns_flops``; a QKV-split param: the sum of its pieces).
@@ -136,6 +145,13 @@ def plan_split_owners(
         min_split_cost: matrices cheaper than this are never split. A split adds ``1 + 2 *
             num_ns_steps`` collectives per piece (tens of microseconds each); 1e11 FLOPs is about
             a quarter of a millisecond of bf16 NS on an H100.
+        flops_per_byte: what one byte of split-NS traffic costs in NS FLOPs (e.g. NS throughput
+            over link bandwidth, ~1e3 over NVLink, ~1e4 over InfiniBand): each split member's
+            load counts its share of FLOPs plus this times ``split_ns_bytes``, so splits whose
+            traffic outweighs their balance gain are not taken. 0: balance FLOPs only. The
+            default, 1e3, is NVLink-class (bf16 NS at ~600 TFLOP/s over ~500 GB/s).
+            ``loads`` of the plan are FLOPs either way.
+        element_bytes: bytes per element of split-NS traffic (2: bf16 under "medium" precision).
         num_targets: target loads tried per granularity (planning time grows linearly with it).
 
     Returns:
@@ -164,18 +180,29 @@ def plan_split_owners(
         return best
 
     # Per-rank shares of each splittable matrix for each block size (index 0: unsplit).
-    table: dict[tuple[tuple[int, int], ...], list[tuple[int, ...]]] = {}
+    # Per-rank FLOPs of each splittable matrix for each block size (index 0: unsplit), and the
+    # planning cost: FLOPs plus the split traffic priced at flops_per_byte.
+    table: dict[tuple[tuple[int, int], ...], tuple[list, list]] = {}
     shares: dict[int, list[tuple[int, ...]]] = {}
+    weighted: dict[int, list[tuple[int, ...]]] = {}
     for i in splittable:
         key = tuple(tuple(piece) for piece in split_pieces[i])  # type: ignore[union-attr]
         if key not in table:
-            table[key] = [(costs[i],)] + [
+            flops = [(costs[i],)] + [
                 tuple(split_pieces_flops(key, num_ns_steps, g, j) for j in range(g)) for g in sizes
             ]
-        shares[i] = table[key]
+            priced = [flops[0]] + [
+                tuple(
+                    f + round(flops_per_byte * split_ns_bytes(key, num_ns_steps, g, element_bytes))
+                    for f in share
+                )
+                for g, share in zip(sizes, flops[1:], strict=True)
+            ]
+            table[key] = (flops, priced)
+        shares[i], weighted[i] = table[key]
     lower = max(
         sum(costs) / group_size,
-        max(max(s[-1]) for s in shares.values()),
+        max(min(max(s) for s in weighted[i]) for i in splittable),
         max((c for i, c in enumerate(costs) if i not in shares), default=0),
     )
     unsplit_makespan = max(best.loads)
@@ -185,56 +212,71 @@ def plan_split_owners(
         i: sum(min(piece) ** 2 for piece in split_pieces[i])  # type: ignore[union-attr]
         for i in splittable
     }
-    candidates = [(best, 0)]
-    for granularity in (1, 2, 3):
+    largest = {i: [max(share) for share in weighted[i]] for i in splittable}
+    candidates = [(best, max(best.loads), 0)]
+    tried: set[tuple[int, ...]] = set()
+    for granularity in _GRANULARITIES:
         # From the least splitting (targets near the unsplit makespan) down to the lower bound.
         for step in range(num_targets, -1, -1):
             target = lower * (unsplit_makespan / lower) ** (step / num_targets) / granularity
             choice = {}
             for i in splittable:
-                fits = [k for k, share in enumerate(shares[i]) if max(share) <= target]
+                fits = [k for k, share in enumerate(largest[i]) if share <= target]
                 choice[i] = fits[0] if fits else len(sizes)
-            plan = _gang_schedule(costs, group_size, shares, choice)
+            signature = tuple(choice.values())
+            if signature in tried:  # many targets pick the same block sizes
+                continue
+            tried.add(signature)
+            plan, makespan = _gang_schedule(costs, group_size, shares, weighted, choice)
             split_volume = sum((len(shares[i][k]) - 1) * volume[i] for i, k in choice.items())
-            candidates.append((plan, split_volume))
-    shortest = min(max(plan.loads) for plan, _ in candidates)
-    eligible = [c for c in candidates if max(c[0].loads) <= shortest * (1 + slack)]
-    return min(eligible, key=lambda c: c[1])[0]
+            candidates.append((plan, makespan, split_volume))
+    shortest = min(makespan for _, makespan, _ in candidates)
+    eligible = [c for c in candidates if c[1] <= shortest * (1 + slack)]
+    return min(eligible, key=lambda c: c[2])[0]
 
 
 def _gang_schedule(
     costs: Sequence[int],
     group_size: int,
     shares: dict[int, list[tuple[int, ...]]],
+    weighted: dict[int, list[tuple[int, ...]]],
     choice: dict[int, int],
-) -> OwnerPlan:
-    """LPT where matrix ``i`` takes the aligned block of ``len(shares[i][choice[i]])`` ranks."""
-    loads = np.zeros(group_size, dtype=np.int64)
+) -> tuple[OwnerPlan, int]:
+    """LPT where matrix ``i`` takes the aligned block of ``len(shares[i][choice[i]])`` ranks.
+
+    Places by the ``weighted`` (planning) cost; returns the plan (FLOP loads) and its weighted
+    makespan.
+    """
+    planned = np.zeros(group_size, dtype=np.int64)  # weighted loads, which placement balances
+    loads = np.zeros(group_size, dtype=np.int64)  # FLOPs
     heap = [(0, rank) for rank in range(group_size)]  # lazy: entries go stale when blocks land
     owners = [0] * len(costs)
     split_sizes = [1] * len(costs)
-    work = [shares[i][choice[i]] if i in choice else (costs[i],) for i in range(len(costs))]
+    work = [weighted[i][choice[i]] if i in choice else (costs[i],) for i in range(len(costs))]
     for index in sorted(range(len(costs)), key=lambda i: (-max(work[i]), i)):
         share = work[index]
+        flops = shares[index][choice[index]] if index in choice else share
         size = len(share)
         if size == 1:
             while True:  # least-loaded rank, lowest rank among ties (as plan_owners)
                 load, rank = heapq.heappop(heap)
-                if load == loads[rank]:
+                if load == planned[rank]:
                     break
-            loads[rank] += share[0]
-            heapq.heappush(heap, (int(loads[rank]), rank))
+            planned[rank] += share[0]
+            heapq.heappush(heap, (int(planned[rank]), rank))
         else:
             num_blocks = group_size // size
-            block_max = loads[: num_blocks * size].reshape(num_blocks, size).max(axis=1)
+            block_max = planned[: num_blocks * size].reshape(num_blocks, size).max(axis=1)
             rank = int(np.argmin(block_max)) * size
-            loads[rank : rank + size] += share
+            planned[rank : rank + size] += share
             for member in range(rank, rank + size):
-                heapq.heappush(heap, (int(loads[member]), member))
+                heapq.heappush(heap, (int(planned[member]), member))
+        loads[rank : rank + size] += flops
         owners[index] = rank
         split_sizes[index] = size
-    return OwnerPlan(
+    plan = OwnerPlan(
         owners=tuple(owners),
         loads=tuple(int(x) for x in loads),
         split_sizes=tuple(split_sizes) if any(s > 1 for s in split_sizes) else (),
     )
+    return plan, int(planned.max())

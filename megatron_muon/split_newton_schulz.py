@@ -40,6 +40,7 @@ __all__ = [
     "long_dim",
     "split_bounds",
     "split_dim_of_pieces",
+    "split_ns_bytes",
     "split_ns_flops",
     "split_pieces_flops",
     "split_newton_schulz",
@@ -112,6 +113,27 @@ def split_pieces_flops(
 ) -> int:
     """``split_ns_flops`` summed over a param's NS pieces (Q, K, V, or the one matrix)."""
     return sum(split_ns_flops(r, c, num_ns_steps, num_parts, part) for r, c in pieces)
+
+
+def split_ns_bytes(
+    pieces: Sequence[tuple[int, int]], num_ns_steps: int, num_parts: int, element_bytes: int
+) -> int:
+    """Bytes one rank of a ``num_parts`` block sends (and receives) in ``split_newton_schulz``.
+
+    Per piece and step, ring algorithms: the all-reduce of the ``(k, k)`` Gram matrix
+    (``2 k^2 (g - 1) / g`` elements) and the all-gather of ``B``'s padded row blocks
+    (``(g - 1) ceil(k / g) k``); the norm all-reduce is one element. ``element_bytes``: 2 under
+    "medium" precision (bf16 iteration), 4 otherwise.
+    """
+    if num_parts == 1:
+        return 0
+    total = 0
+    for rows, cols in pieces:
+        k = min(rows, cols)
+        gram = 2 * k * k * (num_parts - 1) // num_parts
+        gather = (num_parts - 1) * -(-k // num_parts) * k
+        total += num_ns_steps * (gram + gather) * element_bytes
+    return total
 
 
 def _coefficients(

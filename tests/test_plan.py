@@ -103,7 +103,9 @@ def test_plan_max_load_is_within_four_thirds_of_the_brute_force_optimum():
         assert max(owners.loads) <= 4 / 3 * optimum
         assert sum(owners.loads) == sum(costs)
         pieces = [[shape] for shape in shapes]
-        split = plan_split_owners(costs, group_size, pieces, 5, tolerance=1.0, min_split_cost=0)
+        split = plan_split_owners(
+            costs, group_size, pieces, 5, tolerance=1.0, min_split_cost=0, flops_per_byte=0
+        )
         _check_plan_consistent(split, costs, pieces, group_size, 5)
         assert max(split.loads) <= max(owners.loads)  # splitting never makes the plan worse
 
@@ -114,10 +116,25 @@ def test_split_plan_balances_when_one_matrix_dominates():
     costs = [ns_flops(r, c, 5) for r, c in costs_shapes]
     pieces = [[s] for s in costs_shapes]
     unsplit = plan_owners(costs, 16)
-    split = plan_split_owners(costs, 16, pieces, 5, min_split_cost=0)
+    split = plan_split_owners(costs, 16, pieces, 5, min_split_cost=0, flops_per_byte=0)
     _check_plan_consistent(split, costs, pieces, 16, 5)
     assert split.split_size(0) == max(split.split_size(i) for i in range(len(costs))) > 1
     assert max(split.loads) < 0.5 * max(unsplit.loads)
+
+
+def test_pricing_split_traffic_trades_balance_for_fewer_bytes():
+    # llama3-8b at DP 256: FLOPs-only planning splits every large matrix; pricing each byte of
+    # split-NS traffic at 1e3 FLOPs splits fewer, never more, and stays within 10% of balance.
+    costs, pieces = _plan_inputs("llama3-8b", Parallelism(dp=256))
+    flops_only = plan_split_owners(costs, 256, pieces, 5, flops_per_byte=0)
+    priced = plan_split_owners(costs, 256, pieces, 5, flops_per_byte=1000)
+    volume = [sum(min(p) ** 2 for p in pieces[i]) for i in range(len(costs))]
+
+    def traffic(plan: OwnerPlan) -> int:
+        return sum((plan.split_size(i) - 1) * volume[i] for i in range(len(costs)))
+
+    assert traffic(priced) < traffic(flops_only)
+    assert flops_only.max_over_mean <= priced.max_over_mean <= 1.10
 
 
 def test_split_dims_follow_newton_schulz_transpose_rule():
@@ -271,7 +288,9 @@ def _execute_plan(rank: int, world_size: int, plan: OwnerPlan) -> dict:
 
 def test_a_split_plan_executes_exactly_on_ranks_with_overlapping_blocks():
     costs = [sum(ns_flops(r, c, 5) for r, c in pieces) for pieces in PLANNED_PIECES]
-    plan = plan_split_owners(costs, 4, PLANNED_PIECES, 5, tolerance=1.0, min_split_cost=0)
+    plan = plan_split_owners(
+        costs, 4, PLANNED_PIECES, 5, tolerance=1.0, min_split_cost=0, flops_per_byte=0
+    )
     assert {plan.split_size(m) for m in range(len(costs))} == {1, 2, 4}
     results = run_on_ranks(_execute_plan, 4, plan, timeout=60)
     torch.set_float32_matmul_precision("highest")

@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         "--max-split", type=int, default=16, help="largest rank block one matrix's NS may use"
     )
     parser.add_argument(
+        "--flops-per-byte",
+        type=float,
+        default=1000.0,
+        help="price of one byte of split-NS traffic in NS FLOPs when planning (0: FLOPs only)",
+    )
+    parser.add_argument(
         "--bucket-mb",
         type=float,
         help="owner exchange bucket bound (ShardedMuon bucket_size_bytes) in MiB; default: none",
@@ -64,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             ns_bytes=_NS_BYTES[args.matmul_prec],
             max_split=args.max_split,
             bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
+            flops_per_byte=args.flops_per_byte,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

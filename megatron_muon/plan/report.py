@@ -92,6 +92,7 @@ def analyze(
     ns_bytes: int = 2,
     max_split: int = 16,
     bucket_bytes: int | None = None,
+    flops_per_byte: float = 1000.0,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> PlanReport:
     """Builds the Muon matrices, their FSDP layout, and every strategy's figures."""
@@ -100,13 +101,13 @@ def analyze(
     if params.dense:
         groups["dense"] = GroupInput(
             params.dense, layout_rows(params.dense, parallel.dp), parallel.dp,
-            num_ns_steps, ns_bytes, max_split, bucket_bytes,
+            num_ns_steps, ns_bytes, max_split, bucket_bytes, flops_per_byte,
         )  # fmt: skip
     if params.experts:
         size = parallel.expert_dp
         groups["experts"] = GroupInput(
             params.experts, layout_rows(params.experts, size), size,
-            num_ns_steps, ns_bytes, max_split, bucket_bytes,
+            num_ns_steps, ns_bytes, max_split, bucket_bytes, flops_per_byte,
         )  # fmt: skip
     world = np.arange(parallel.world_size)
     index = {

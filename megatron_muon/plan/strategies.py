@@ -36,7 +36,7 @@ import numpy as np
 from megatron_muon.newton_schulz import ns_flops
 from megatron_muon.plan.models import Matrix
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
-from megatron_muon.split_newton_schulz import split_bounds, split_dim_of_pieces
+from megatron_muon.split_newton_schulz import split_bounds, split_dim_of_pieces, split_ns_bytes
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
 
@@ -55,6 +55,7 @@ class GroupInput:
         num_ns_steps: NS iterations.
         ns_bytes: bytes per element inside NS (2 under "medium" precision, 4 otherwise).
         max_split: largest rank block one matrix's NS may be split over (ours).
+        flops_per_byte: ours: NS FLOPs one byte of split-NS traffic is worth to the planner.
         bucket_bytes: owner strategies exchange consecutive matrices whose full fp32 bytes fit
             this bound at once (``ShardedMuon(bucket_size_bytes=...)``); ``None``: all at once.
     """
@@ -66,6 +67,7 @@ class GroupInput:
     ns_bytes: int = 2
     max_split: int = 16
     bucket_bytes: int | None = None
+    flops_per_byte: float = 1000.0
 
     def buckets(self) -> list[list[int]]:
         """As ``ShardedMuon._buckets``: consecutive matrices within ``bucket_bytes`` fp32 bytes."""
@@ -145,6 +147,8 @@ def plan_for(group: GroupInput) -> OwnerPlan:
         [m.pieces for m in group.matrices],
         group.num_ns_steps,
         max_split=group.max_split,
+        flops_per_byte=group.flops_per_byte,
+        element_bytes=group.ns_bytes,
     )
 
 
@@ -267,10 +271,6 @@ def _matrix_exchange(
             incoming = (hi - lo) * cols - kept
         out[rank] = own[rank] + (incoming - kept) * _EXCHANGE_BYTES
         held[rank] = (hi - lo) * (cols if dim == 0 else rows) * _EXCHANGE_BYTES
-        for piece_rows, piece_cols in matrix.pieces:
-            k = min(piece_rows, piece_cols)
-            gram = k * k * group.ns_bytes  # all_reduce of A, then all_gather of B's row blocks
-            gather = (parts - 1) * -(-k // parts) * k * group.ns_bytes
-            out[rank] += group.num_ns_steps * (2 * gram * (parts - 1) // parts + gather)
+        out[rank] += split_ns_bytes(matrix.pieces, group.num_ns_steps, parts, group.ns_bytes)
         workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
     return out, staged, held
