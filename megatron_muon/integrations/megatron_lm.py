@@ -251,13 +251,16 @@ def _build_for_megatron_loop(
         fsdp_config=MuonFsdpConfig.from_args(args) if args is not None else None,
         grads_already_synced=True,
     )
-    return _with_fsdp_dtensor_checkpoints(built)
+    return _with_fsdp_dtensor_checkpoints(built, model_chunks)
 
 
-def _with_fsdp_dtensor_checkpoints(built: Any) -> Any:
+def _with_fsdp_dtensor_checkpoints(built: Any, model_chunks: Any) -> Any:
     """The factory's step wrapper, as ``MegatronCheckpointedOptimizer`` (same parts)."""
     optimizer = MegatronCheckpointedOptimizer(
-        built.inner, built.fsdp_modules, grads_already_synced=built.grads_already_synced
+        built.inner,
+        built.fsdp_modules,
+        grads_already_synced=built.grads_already_synced,
+        model_chunks=model_chunks,
     )
     for name in ("routing", "summary_lines"):
         if hasattr(built, name):
@@ -274,20 +277,54 @@ class MegatronCheckpointedOptimizer(FsdpStepWrapper):
     ``DistributedOptimizer`` answers with its state keyed by parameter name, every tensor a DTensor
     like its parameter, plus ``param_to_group_meta`` (its ``sharded_param_state_fsdp_dtensor``);
     the ``FP32Optimizer`` children of our chain only know the ``torch_dist`` ``ShardedTensor``
-    format. This class gives the same layout, one entry per leaf optimizer:
-    ``{i: {"state": {name: {key: DTensor | step}}, "param_to_group_meta": {name: {...}}}}``.
+    format. This class gives the same layout, all leaf optimizers (Muon, AdamW) in one namespace,
+    ``{"state": {name: {key: DTensor | step}}, "param_to_group_meta": {name: {...}}}``, so that
+    Megatron's own fsdp_dtensor preprocessing (``--swiglu`` splits, expert renaming) applies.
 
     State exists for every param on every rank before the state dict is built
     (``megatron_muon.checkpointing.ensure_optimizer_state``, without a step): megatron_fsdp's
     uneven-DTensor preprocessing and DCP planning run collectives per DTensor, so a key missing on
     one rank (a rank holding 0 rows of a param) would hang the save (REFERENCE.md section 8).
-    Names are Megatron-FSDP's optimizer-param names (``decoder.layers.0...``).
+    Names are ``DistributedOptimizer._param_name``'s: the model chunks' ``named_parameters()``
+    (the Megatron-FSDP optimizer params, e.g. ``module.module.decoder.layers.0...``), with
+    Megatron's expert renaming, which ``handle_swiglu_in_state_dict`` resolves on the model.
+
+    Args:
+        model_chunks: the chunks as ``get_megatron_optimizer`` received them (Megatron's wrappers).
+        The rest: ``FsdpStepWrapper``'s.
     """
 
-    def _names(self) -> dict[int, str]:
-        from megatron_muon.checkpointing import named_optimizer_params
+    def __init__(
+        self,
+        inner: Any,
+        fsdp_modules: Any,
+        *,
+        grads_already_synced: bool,
+        model_chunks: Any,
+    ) -> None:
+        super().__init__(inner, fsdp_modules, grads_already_synced=grads_already_synced)
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        self.named_chunks = list(chunks)
 
-        return {id(param): name for name, param in named_optimizer_params(self.fsdp_modules)}
+    def _names(self) -> dict[int, str]:
+        from megatron.core.transformer.fsdp_dtensor_checkpoint import (
+            handle_experts_in_state_dict,
+        )
+
+        name_to_param: dict[str, torch.Tensor] = {}
+        for chunk in self.named_chunks:
+            name_to_param.update(dict(chunk.named_parameters()))
+        config = getattr(self.named_chunks[0], "config", None)
+        num_experts = getattr(config, "num_moe_experts", None)
+        name_to_param = handle_experts_in_state_dict(name_to_param, num_experts)
+        names = {id(param): name for name, param in name_to_param.items()}
+        unnamed = [p for p in self.get_parameters() if id(p) not in names]
+        if unnamed:
+            raise RuntimeError(
+                f"{len(unnamed)} optimizer params are not parameters of the model chunks: the "
+                "optimizer must be built from Megatron-FSDP's optimizer params"
+            )
+        return names
 
     def _leaves(self) -> list[torch.optim.Optimizer]:
         from megatron_muon.checkpointing import leaf_optimizers
@@ -300,7 +337,7 @@ class MegatronCheckpointedOptimizer(FsdpStepWrapper):
         is_loading: bool = False,
         metadata: dict | None = None,
         **kwargs: Any,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[str, dict[str, Any]]:
         """Optimizer state by param name, DTensors like the params (save and load template)."""
         from megatron_muon.checkpointing import ensure_optimizer_state
 
@@ -312,36 +349,33 @@ class MegatronCheckpointedOptimizer(FsdpStepWrapper):
             )
         ensure_optimizer_state(self.inner)
         names = self._names()
-        sharded: dict[int, dict[str, Any]] = {}
-        for index, leaf in enumerate(self._leaves()):
-            state: dict[str, Any] = {}
-            group_meta: dict[str, Any] = {}
+        state: dict[str, Any] = {}
+        group_meta: dict[str, Any] = {}
+        for leaf in self._leaves():
             for group in leaf.param_groups:
                 meta = {key: value for key, value in group.items() if key != "params"}
                 for param in group["params"]:
                     state[names[id(param)]] = leaf.state[param]
                     group_meta[names[id(param)]] = meta
-            sharded[index] = {"state": state, "param_to_group_meta": group_meta}
-        return sharded
+        return {"state": state, "param_to_group_meta": group_meta}
 
     def load_state_dict(self, state_dict: Any) -> None:
         """Loads what ``sharded_state_dict`` described (after DCP filled it), by param name."""
-        if not (isinstance(state_dict, dict) and all(isinstance(k, int) for k in state_dict)):
+        if not (isinstance(state_dict, dict) and "param_to_group_meta" in state_dict):
             super().load_state_dict(state_dict)
             return
         names = self._names()
-        leaves = self._leaves()
-        if sorted(state_dict) != list(range(len(leaves))):
-            raise ValueError(
-                f"checkpoint holds {len(state_dict)} optimizer(s), this run has {len(leaves)}"
-            )
-        for index, leaf in enumerate(leaves):
-            saved = state_dict[index]
+        saved_state, saved_meta = state_dict["state"], state_dict["param_to_group_meta"]
+        for leaf in self._leaves():
             groups = []
             for group in leaf.param_groups:
                 params = [names[id(p)] for p in group["params"]]
-                meta = saved["param_to_group_meta"].get(params[0], {}) if params else {}
+                missing = [name for name in params if name not in saved_state]
+                if missing:
+                    raise KeyError(f"the checkpoint holds no optimizer state for {missing}")
+                meta = saved_meta.get(params[0], {}) if params else {}
                 groups.append({**meta, "params": params})
+            state = {name: saved_state[name] for group in groups for name in group["params"]}
             # torch maps saved params to current ones by position in param_groups; both are
             # the current groups' param names, so the name-keyed state lands on the right param.
-            leaf.load_state_dict({"state": dict(saved["state"]), "param_groups": groups})
+            leaf.load_state_dict({"state": state, "param_groups": groups})
