@@ -199,7 +199,7 @@ def write(out: Path) -> None:
             + f"; own fp32 momentum shard per GPU at DP 64: "
             f"{_mib(reports[1].own_shard_bytes_mean)} MiB, at DP 1024: "
             f"{_mib(first.own_shard_bytes_mean)} MiB. Planner (ours) at DP 1024: "
-            f"{first.planner_seconds * 1e3:.0f} ms.",
+            f"{first.planner_seconds * 1e3:.0f} ms CPU time.",
             "",
         ]
         text += _table(reports)
