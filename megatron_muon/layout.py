@@ -143,12 +143,14 @@ def gather_row_layouts(
     Returns:
         One ``RowLayout`` per param.
     """
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     described = torch.tensor([_describe_local_rows(p) for p in params], dtype=torch.int64).reshape(
         len(params), 4
     )
-    gathered = torch.empty(world * len(params), 4, dtype=torch.int64)
-    all_gather_single(gathered, described, group=group)
+    gathered = described
+    if world > 1:
+        gathered = torch.empty(world * len(params), 4, dtype=torch.int64)
+        all_gather_single(gathered, described, group=group)
     table = gathered.view(world, len(params), 4).tolist()
     layouts = []
     for index, param in enumerate(params):

@@ -100,6 +100,9 @@ class ShardedMuon(TensorParallelMuon):
             memory); ``None`` exchanges all matrices in one bucket.
         ns_method: ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz; ``newton_schulz.py``).
         custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
+        gram_restarts, gram_half_dtype: Gram NS restarts and its half dtype under ``"medium"``
+            precision (``NSConfig``; fp16 by default, which CPUs emulate slowly: use bfloat16
+            there).
         offload_momentum: keep momentum in (pinned, on GPU machines) CPU memory between steps; it
             is brought back to the param's device for the step. Results are bitwise unchanged.
             Momentum stays resident from ``state_dict()`` until the end of the next step.
@@ -138,6 +141,8 @@ class ShardedMuon(TensorParallelMuon):
         bucket_size_bytes: int | None = None,
         ns_method: NSMethodT = "standard",
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
+        gram_restarts: tuple[int, ...] | None = None,
+        gram_half_dtype: str = "float16",
         offload_momentum: bool = False,
         min_split_flops: int = 10**11,
     ) -> None:
@@ -180,6 +185,8 @@ class ShardedMuon(TensorParallelMuon):
                 if custom_coefficient_sets is not None
                 else None
             ),
+            gram_restarts=gram_restarts,
+            gram_half_dtype=gram_half_dtype,  # type: ignore[arg-type]
         )
         if (ns_method != "standard" or custom_coefficient_sets is not None) and (
             tp_mode != "blockwise" and _tp_size(pg_collection) > 1
@@ -587,7 +594,8 @@ class ShardedMuon(TensorParallelMuon):
 
         Collective over ``dp_group`` (and, for split matrices, over each split block's ranks).
         """
-        dp_size = dist.get_world_size(self.dp_group)
+        # Without torch.distributed (one process) every param is whole: DP size 1.
+        dp_size = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
         layouts = gather_row_layouts(params, self.dp_group)
         matrices = [i for i, p in enumerate(params) if p.ndim == 2]
         experts = [i for i, p in enumerate(params) if p.ndim == 3]

@@ -364,3 +364,24 @@ def test_momentum_offload_is_bitwise_equal_to_resident_momentum_and_survives_res
         for a, b, c in zip(r["params"], o["params"], o["resumed"], strict=True):
             assert torch.equal(a, b)
             assert torch.equal(b, c)
+
+
+def test_runs_in_a_single_process_without_torch_distributed():
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_muon import ShardedMuon
+
+    assert not torch.distributed.is_initialized()
+    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
+    params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    optimizer = ShardedMuon(params, **MUON_KWARGS)
+    reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+    for step in range(2):
+        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
+            p.grad = _full_tensor(p.shape, seed=10 * step + i)
+            ref.grad = p.grad.clone()
+        optimizer.step()
+        reference.step()
+    for p, ref in zip(params, reference_params, strict=True):
+        assert torch.equal(p, ref)  # one matrix per shape: the same 2-D NS call, bitwise
