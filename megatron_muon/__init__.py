@@ -2,6 +2,17 @@
 
 __version__ = "0.1.0"
 
+from megatron_muon.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.factory import build_muon_optimizer, get_megatron_muon_optimizer
 from megatron_muon.sharded_muon import ShardedMuon, StepStats
+from megatron_muon.step_wrapper import FsdpStepWrapper
 
-__all__ = ["ShardedMuon", "StepStats"]
+__all__ = [
+    "FsdpStepWrapper",
+    "MuonConfig",
+    "MuonFsdpConfig",
+    "ShardedMuon",
+    "StepStats",
+    "build_muon_optimizer",
+    "get_megatron_muon_optimizer",
+]

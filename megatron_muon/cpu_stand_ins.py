@@ -29,6 +29,9 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
   module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
+- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router
+  (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a CPU router weight to
+  ``current_device()`` before every forward (router.py:98), i.e. to ``cuda:0``.
 
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; section 8):
@@ -83,6 +86,9 @@ _TRAINING_REDIRECT_MODULES = [
     "megatron.core.timers",
     "megatron.core.rerun_state_machine",
 ]
+
+# Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.
+_CURRENT_DEVICE_CPU_MODULES = ["megatron.core.transformer.moe.router"]
 
 _FACTORIES = (
     "tensor",
@@ -356,6 +362,25 @@ class _CudaProxy(types.ModuleType):
 _TORCH_PROXY = _CpuTorchProxy()
 
 
+class _CpuCurrentDeviceCudaProxy(_CudaProxy):
+    """``torch.cuda`` whose ``current_device()`` is the CPU device (a move target)."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+
+class _CpuCurrentDeviceTorchProxy(_CpuTorchProxy):
+    """``_CpuTorchProxy`` whose ``torch.cuda.current_device()`` is the CPU device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda = _CpuCurrentDeviceCudaProxy()
+
+
+_TORCH_PROXY_CPU_CURRENT_DEVICE = _CpuCurrentDeviceTorchProxy()
+
+
 def _redirect_module_devices() -> None:
     for name in _DEVICE_REDIRECT_MODULES:
         try:
@@ -364,6 +389,13 @@ def _redirect_module_devices() -> None:
             continue
         if getattr(module, "torch", None) is torch:
             module.torch = _TORCH_PROXY
+    for name in _CURRENT_DEVICE_CPU_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_PROXY_CPU_CURRENT_DEVICE
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""megatron-core's ``ChainedOptimizer`` with gradient statistics that are right on FSDP shards.
+
+Stock ``ChainedOptimizer`` (megatron-core 0.19.2) computes the grad norm from each rank's *local*
+Megatron-FSDP shards reduced over the sub-optimizers' model-parallel group only, so under a sharded
+strategy every rank clips with a different, too small norm (REFERENCE.md section 7: 0.938 and 1.131
+on two ranks instead of 1.4696), and under ``no_shard`` a world reduction would count every replica.
+
+Here each rank adds up its local grad elements once per distinct piece of the full gradient and one
+``all_reduce`` over ``grad_stats_group`` (default: the world) sums the pieces:
+
+- a DTensor grad's local tensor is weighted by ``1 / (product of the mesh sizes of its Replicate
+  placements)``: ``Shard`` mesh dims hold disjoint rows, ``Replicate`` dims hold copies
+  (``no_shard``; the outer dim of HSDP with outer ``no_shard``);
+- a plain-tensor grad is taken as replicated over ``grad_stats_group`` (weight ``1 / size``);
+- tensor-parallel duplicates (params without ``tensor_model_parallel`` on TP ranks other than 0) and
+  shared params are skipped, as megatron-core does (``param_is_not_tensor_parallel_duplicate``).
+
+Clipping, the step and everything else stay ``ChainedOptimizer``'s: its ``step()`` calls
+``get_grad_norm()`` and then scales each local grad, which is right once the norm is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    MegatronOptimizer,
+    _get_param_grad_norm_group,
+    _is_separate_grad_norm_group,
+)
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["FsdpChainedOptimizer", "global_grad_norm", "global_num_zeros"]
+
+
+def _replication(grad: torch.Tensor, group_size: int) -> int:
+    """How many ranks of the stats group hold this same local piece of the gradient."""
+    if not isinstance(grad, DTensor):
+        return group_size
+    replication = 1
+    for size, placement in zip(grad.device_mesh.shape, grad.placements, strict=True):
+        if isinstance(placement, Replicate):
+            replication *= size
+    return replication
+
+
+def _counted(param: torch.Tensor, tp_group, expert_tp_group) -> bool:
+    """False for shared params and tensor-parallel duplicates (counted on another rank)."""
+    if getattr(param, "shared", False):
+        return False
+    if tp_group is None and expert_tp_group is None:
+        return True  # no tensor parallelism known to this optimizer: every param is unique
+    return param_is_not_tensor_parallel_duplicate(
+        param, tp_group=tp_group, expert_tp_group=expert_tp_group
+    )
+
+
+def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    grad = param.grad
+    if grad is None:
+        return None
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad, local
+
+
+def global_grad_norm(
+    params: Sequence[torch.Tensor],
+    *,
+    grad_stats_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | None = None,
+) -> float:
+    """L2 norm of the full gradient of ``params``, each element counted once. Collective.
+
+    Every rank of ``grad_stats_group`` must call it (ranks whose grads are all None too).
+
+    Args:
+        params: optimizer params (Megatron-FSDP DTensors, ``Shard(0)`` / ``Replicate``, or plain).
+        grad_stats_group: group spanning every rank that holds a piece of these grads.
+        tp_group, expert_tp_group: tensor-parallel groups for duplicate filtering (None: TP=1).
+    """
+    group_size = dist.get_world_size(grad_stats_group)
+    total = torch.zeros(1, dtype=torch.float64)
+    for param in params:
+        pair = _local_grad(param)
+        if pair is None or not _counted(param, tp_group, expert_tp_group):
+            continue
+        grad, local = pair
+        if local.numel() == 0:
+            continue
+        squares = local.detach().float().square().sum().double().cpu()
+        total += squares / _replication(grad, group_size)
+    if group_size > 1:
+        total = total.to(_reduction_device(params))
+        dist.all_reduce(total, group=grad_stats_group)
+    return math.sqrt(float(total.item()))
+
+
+def global_num_zeros(
+    params: Sequence[torch.Tensor],
+    *,
+    grad_stats_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    expert_tp_group: dist.ProcessGroup | None = None,
+) -> float:
+    """Zero elements in the full gradient of ``params``, each element counted once. Collective."""
+    group_size = dist.get_world_size(grad_stats_group)
+    total = torch.zeros(1, dtype=torch.float64)
+    for param in params:
+        pair = _local_grad(param)
+        if pair is None or not _counted(param, tp_group, expert_tp_group):
+            continue
+        grad, local = pair
+        zeros = local.numel() - int(torch.count_nonzero(local))
+        total += zeros / _replication(grad, group_size)
+    if group_size > 1:
+        total = total.to(_reduction_device(params))
+        dist.all_reduce(total, group=grad_stats_group)
+    return float(round(total.item()))
+
+
+def _reduction_device(params: Sequence[torch.Tensor]) -> torch.device:
+    """NCCL reduces device tensors only: use the params' device (CPU under gloo)."""
+    for param in params:
+        return param.device
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class FsdpChainedOptimizer(ChainedOptimizer):
+    """``ChainedOptimizer`` whose grad norm and zero count are global over Megatron-FSDP shards.
+
+    Args:
+        chained_optimizers: the sub-optimizers (all sharing one ``config`` object, as
+            ``ChainedOptimizer`` requires).
+        grad_stats_group: group the statistics are summed over: every rank holding a piece of
+            some param's gradient (default: the world).
+    """
+
+    def __init__(
+        self,
+        chained_optimizers: list[MegatronOptimizer],
+        grad_stats_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(chained_optimizers)
+        self.grad_stats_group = grad_stats_group
+        for optimizer in chained_optimizers:
+            # Also the group of megatron-core's own per-optimizer reductions (grad-norm groups).
+            optimizer.grad_stats_parallel_group = grad_stats_group
+
+    def _tp_groups(self) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+        first = self.chained_optimizers[0] if self.chained_optimizers else None
+        return getattr(first, "tp_group", None), getattr(first, "expert_tp_group", None)
+
+    def _norm(self, param_filter: Callable[[torch.Tensor], bool]) -> float:
+        tp_group, expert_tp_group = self._tp_groups()
+        return global_grad_norm(
+            [p for p in self.get_parameters() if param_filter(p)],
+            grad_stats_group=self.grad_stats_group,
+            tp_group=tp_group,
+            expert_tp_group=expert_tp_group,
+        )
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """Global L2 norm of the grads outside separate grad-norm groups (e.g. MTP)."""
+        return self._norm(lambda p: not _is_separate_grad_norm_group(_get_param_grad_norm_group(p)))
+
+    @torch.no_grad()
+    def _get_grad_norm_for_group(self, grad_norm_group: str) -> float:
+        """Global L2 norm of the grads of one separate grad-norm group."""
+        return self._norm(lambda p: _get_param_grad_norm_group(p) == grad_norm_group)
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        """Zero elements in the full gradient, each counted once."""
+        tp_group, expert_tp_group = self._tp_groups()
+        return global_num_zeros(
+            self.get_parameters(),
+            grad_stats_group=self.grad_stats_group,
+            tp_group=tp_group,
+            expert_tp_group=expert_tp_group,
+        )
+
+    def get_grad_stats_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group grad statistics are summed over (shared by every sub-optimizer)."""
+        return self.grad_stats_group

@@ -1,0 +1,205 @@
+"""The optimizer step contract of Megatron-FSDP, around a chained (Muon + AdamW) optimizer.
+
+Megatron-FSDP keeps two copies of every weight: the optimizer's params (DTensor main weights, rows
+sharded over data-parallel ranks under optim/optim_grads/optim_grads_params) and the compute weights
+the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 and 9):
+
+1. the reduced gradients attached to the optimizer params: ``finish_grad_sync()`` on each
+   ``MegatronFSDP`` -- **only** when the training loop has not done it already. Megatron-LM's
+   ``train_step`` calls it inside ``finalize_model_grads``; a second call reduces the gradients a
+   second time and corrupts ``optim`` (ZeRO-1) training (section 9). Hence the explicit
+   ``grads_already_synced`` flag: False (default) for a custom loop that runs forward/backward and
+   calls ``optimizer.step()``; True inside Megatron-LM's loop.
+2. the inner step: grad norm over all shards, clipping, every sub-optimizer;
+3. the new main weights copied into the compute weights, ``install_optimized_model_weights()``,
+   and the params re-synced with ``start_param_sync()`` (as megatron-core's DistributedOptimizer
+   does for Megatron-FSDP), once per ``MegatronFSDP``.
+
+Gradient accumulation: Megatron-FSDP accumulates the micro-batches' gradients in its buffers; the
+step runs once per optimizer step, on the accumulated gradient.
+
+``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class (the
+``megatron_fsdp`` package and megatron-core's vendored one) and megatron-core's
+``FullyShardedDataParallel`` wrapper (whose ``.module`` is the ``MegatronFSDP``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+from megatron_muon.layout import local_tensor
+
+__all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
+
+
+def megatron_fsdp_classes() -> tuple[type, ...]:
+    """The ``MegatronFSDP`` classes that can be installed: megatron_fsdp's and megatron-core's."""
+    classes = []
+    for name in ("megatron_fsdp", "megatron.core.distributed.fsdp.src.megatron_fsdp"):
+        try:
+            classes.append(importlib.import_module(name).MegatronFSDP)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(classes)
+
+
+def unwrap_megatron_fsdp(chunk: Any) -> Any | None:
+    """The ``MegatronFSDP`` that drives ``chunk``, or None if ``chunk`` is not Megatron-FSDP.
+
+    Accepts a ``MegatronFSDP`` (either copy) or megatron-core's ``FullyShardedDataParallel``.
+    """
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    classes = megatron_fsdp_classes()
+    if isinstance(chunk, classes):
+        return chunk
+    if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, classes):
+        return chunk.module
+    return None
+
+
+class FsdpStepWrapper(MegatronOptimizer):
+    """Runs the Megatron-FSDP step contract around ``inner`` (a ``ChainedOptimizer``).
+
+    Everything Megatron-LM's training loop uses (``param_groups``, ``zero_grad``,
+    ``get_loss_scale``, ``scale_loss``, ``count_zeros``, ``state_dict``, ``load_state_dict``,
+    ``sharded_state_dict``, ``reload_model_params``, ``is_stub_optimizer``, ``chained_optimizers``,
+    ...) is delegated to ``inner``; ``step()`` returns ``inner.step()``'s
+    ``(update_successful, grad_norm, num_zeros_in_grad)``.
+
+    Args:
+        inner: the chained optimizer over the FSDP modules' optimizer params.
+        fsdp_modules: the ``MegatronFSDP`` modules (one per model chunk).
+        grads_already_synced: True when the training loop calls ``finish_grad_sync()`` itself
+            before ``step()`` (Megatron-LM's ``finalize_model_grads``); False (default) makes
+            ``step()`` call it (a custom loop: forward, backward, ``optimizer.step()``).
+    """
+
+    def __init__(
+        self,
+        inner: MegatronOptimizer,
+        fsdp_modules: Sequence[Any],
+        *,
+        grads_already_synced: bool = False,
+    ) -> None:
+        classes = megatron_fsdp_classes()
+        for module in fsdp_modules:
+            if not isinstance(module, classes):
+                raise TypeError(
+                    f"FsdpStepWrapper needs MegatronFSDP modules, got {type(module).__name__}"
+                )
+        super().__init__(inner, inner.config)
+        self.inner = inner
+        self.fsdp_modules = list(fsdp_modules)
+        self.grads_already_synced = grads_already_synced
+
+    # ----------------------------------------------------------------------------------------------
+    # the step
+    # ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """finish_grad_sync (unless already synced) -> inner step -> install weights + param sync.
+
+        Collective: every rank must call it.
+        """
+        if not self.grads_already_synced:
+            for module in self.fsdp_modules:
+                module.finish_grad_sync()
+        self._give_empty_shards_a_grad()
+        result = self.inner.step()
+        for module in self.fsdp_modules:
+            module.install_optimized_model_weights()
+            module.start_param_sync()
+        return result
+
+    def _give_empty_shards_a_grad(self) -> None:
+        """A param with 0 local rows has ``grad is None`` on that rank: give it an empty grad.
+
+        torch's AdamW skips params without a grad, so the per-param ``step`` count would stop on
+        ranks that hold no rows of a param and checkpoints would differ across ranks (REFERENCE.md
+        section 8). An empty grad changes no value; Muon already treats such ranks this way.
+        """
+        for param in self.inner.get_parameters():
+            if param.grad is None and local_tensor(param).numel() == 0:
+                param.grad = torch.zeros_like(param)
+
+    # ----------------------------------------------------------------------------------------------
+    # delegation to the chained optimizer
+    # ----------------------------------------------------------------------------------------------
+
+    @property
+    def chained_optimizers(self) -> list[MegatronOptimizer]:
+        """The inner ``ChainedOptimizer``'s sub-optimizers."""
+        return self.inner.chained_optimizers
+
+    @property
+    def is_stub_optimizer(self) -> bool:  # type: ignore[override]
+        return self.inner.is_stub_optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def model_chunks(self) -> list[Any]:
+        return self.inner.model_chunks
+
+    def get_parameters(self) -> list[torch.nn.Parameter]:
+        return self.inner.get_parameters()
+
+    def prepare_grads(self) -> bool:
+        return self.inner.prepare_grads()
+
+    def step_with_ready_grads(self) -> bool:
+        return self.inner.step_with_ready_grads()
+
+    def get_grad_norm(self) -> float:
+        return self.inner.get_grad_norm()
+
+    def count_zeros(self) -> float:
+        return self.inner.count_zeros()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the FSDP gradient buffers and the optimizer params' grads."""
+        for module in self.fsdp_modules:
+            module.zero_grad_buffer()
+        self.inner.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.inner.get_loss_scale()
+
+    def reload_model_params(self, state_dict: Any = None) -> None:
+        self.inner.reload_model_params(state_dict)
+
+    def state_dict(self) -> Any:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: Any, is_loading: bool = False, **kwargs: Any
+    ) -> Any:
+        return self.inner.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+
+    def offload_to_cpu(self) -> None:
+        self.inner.offload_to_cpu()
+
+    def restore_from_cpu(self) -> None:
+        self.inner.restore_from_cpu()
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else Megatron reads off its optimizer (save/load_parameter_state, ...).
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -1,0 +1,353 @@
+"""Train a tiny megatron-core GPTModel under Megatron-FSDP with ``build_muon_optimizer`` and, in
+the same rank, an unsharded single-process reference (``TensorParallelMuon`` + AdamW on full
+tensors, same routing, same data); report every param's deviation. Runs inside harness ranks.
+
+The reference is written out here by hand (names -> optimizer, weight decay on matrices only,
+``torch.nn.utils.clip_grad_norm_``), independent of the factory's routing code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 256
+SEQ = 32
+MICRO_BATCH = 2  # sequences per rank per micro-batch
+NUM_EXPERTS = 4
+
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+MOMENTUM = 0.9
+CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at every step
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: wrapper, strategy and loop flavour."""
+
+    wrapper: str  # "mcore" (FullyShardedDataParallel) or "fully_shard" (megatron_fsdp)
+    strategy: str
+    num_microbatches: int = 1
+    megatron_loop: bool = False  # loop calls finish_grad_sync itself (grads_already_synced=True)
+    mode: str = "owner"
+
+
+def optimizer_config(**overrides):
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = dict(
+        optimizer="muon",
+        lr=LR,
+        min_lr=LR,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_eps=EPS,
+        clip_grad=CLIP_GRAD,
+        muon_momentum=MOMENTUM,
+        muon_nesterov=True,
+        muon_split_qkv=True,
+        muon_fp32_matmul_prec="highest",
+        muon_tp_mode="blockwise",
+        log_num_zeros_in_grad=True,
+    )
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def init_megatron() -> None:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+
+
+def build_gpt(moe: bool = False) -> torch.nn.Module:
+    """The tiny GPTModel (local spec, 2 layers, hidden 64, 4 heads, vocab 256, seq 32), seed 0."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    moe_kwargs = (
+        dict(
+            num_moe_experts=NUM_EXPERTS,
+            moe_router_topk=2,
+            moe_grouped_gemm=False,
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            # SequentialMLP adds an expert's output bias in place on a TP-region view: autograd
+            # refuses (megatron-core 0.19.2, local spec); MoE models run without linear biases.
+            add_bias_linear=False,
+        )
+        if moe
+        else {}
+    )
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **moe_kwargs,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS if moe else None)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
+    """Megatron-FSDP around ``model``: megatron-core's wrapper or megatron_fsdp's own."""
+    if run.wrapper == "mcore":
+        from megatron.core.distributed import (
+            DistributedDataParallelConfig,
+            FullyShardedDataParallel,
+        )
+
+        ddp_config = DistributedDataParallelConfig(
+            data_parallel_sharding_strategy=run.strategy,
+            use_megatron_fsdp=True,
+            gradient_reduce_div_fusion=False,
+            overlap_grad_reduce=True,
+        )
+        return FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
+    import megatron_fsdp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+    # The default (True) reduces every micro-batch's gradient in place into the accumulated buffer
+    # under no_shard/optim: gradient accumulation needs it off (megatron_fsdp's own advice).
+    kwargs = {"sync_model_each_microbatch": run.num_microbatches == 1}
+    if run.strategy == "optim_grads_params":
+        kwargs["fsdp_unit_modules"] = [TransformerLayer]
+    return megatron_fsdp.fully_shard_model(
+        model,
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        tp_dim="tp",
+        device=torch.device("cpu"),
+        zero_dp_strategy=run.strategy,
+        **kwargs,
+    )
+
+
+def batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole step's tokens and labels, ``(world * microbatches * MICRO_BATCH, SEQ)``."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    shape = (world_size * 2 * MICRO_BATCH, SEQ)
+    return (
+        torch.randint(0, VOCAB, shape, generator=generator),
+        torch.randint(0, VOCAB, shape, generator=generator),
+    )
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(SEQ).expand(tokens.shape)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    losses = model(input_ids=tokens, position_ids=positions, attention_mask=causal, labels=labels)
+    return losses.float().mean()
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference: one process, full tensors, same routing written out by name
+# --------------------------------------------------------------------------------------------------
+
+
+def reference_routes_to_muon(name: str, param: torch.Tensor) -> bool:
+    return param.ndim == 2 and "embedding" not in name and "output_layer" not in name
+
+
+class Reference:
+    """TensorParallelMuon (matrices) + AdamW (the rest; no weight decay on 1-D) on full tensors."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+        self.model = model
+        named = list(model.named_parameters())
+        muon = [p for n, p in named if reference_routes_to_muon(n, p)]
+        decayed = [p for n, p in named if not reference_routes_to_muon(n, p) and p.ndim >= 2]
+        undecayed = [p for n, p in named if p.ndim < 2]
+        heads = model.config.num_attention_heads
+        kv = model.config.kv_channels
+        self.muon = TensorParallelMuon(
+            muon,
+            lr=LR,
+            momentum=MOMENTUM,
+            nesterov=True,
+            weight_decay=WEIGHT_DECAY,
+            split_qkv=True,
+            is_qkv_fn=lambda p: p.shape == (3 * heads * kv, model.config.hidden_size),
+            qkv_split_shapes=[kv, kv, kv],  # per query group (4 groups of 1 head each)
+            fp32_matmul_prec="highest",
+            tp_mode="blockwise",
+        )
+        self.adamw = torch.optim.AdamW(
+            [
+                {"params": decayed, "weight_decay": WEIGHT_DECAY},
+                {"params": undecayed, "weight_decay": 0.0},
+            ],
+            lr=LR,
+            betas=BETAS,
+            eps=EPS,
+        )
+
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, int]:
+        """(loss, grad norm before clipping, zero grad elements) of one full-batch step."""
+        self.muon.zero_grad()
+        self.adamw.zero_grad()
+        loss = loss_of(self.model, tokens, labels)
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        zeros = sum(int((p.grad == 0).sum()) for p in params)
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
+        self.muon.step()
+        self.adamw.step()
+        return float(loss.detach()), float(norm), zeros
+
+
+# --------------------------------------------------------------------------------------------------
+# the sharded run
+# --------------------------------------------------------------------------------------------------
+
+
+def train(run: Run, rank: int, world_size: int, steps: int, moe: bool = False) -> dict:
+    """Trains a sharded copy and the reference side by side; returns deviations and stats."""
+    from megatron_muon import MuonFsdpConfig, build_muon_optimizer
+
+    reference = Reference(build_gpt(moe))  # same seeds: the same initial weights
+    model = build_gpt(moe)
+    wrapped = wrap(model, run, world_size)
+    named = dict(
+        wrapped.named_parameters()
+    )  # the optimizer params (DTensors), right after wrapping
+    optimizer = build_muon_optimizer(
+        optimizer_config(),
+        [wrapped],
+        fsdp_config=MuonFsdpConfig(mode=run.mode),
+        grads_already_synced=run.megatron_loop,
+    )
+    fsdp = optimizer.fsdp_modules[0]
+    stats = []
+    for step in range(steps):
+        tokens, labels = batch(step, world_size)
+        reference_loss, reference_norm, reference_zeros = reference.step(tokens, labels)
+        optimizer.zero_grad()
+        mine = tokens.view(world_size, -1, SEQ)[rank], labels.view(world_size, -1, SEQ)[rank]
+        losses = []
+        # Megatron's schedule: every micro-batch but the last under no_sync(), so gradients are
+        # reduced once, in the last backward (overlap_grad_reduce), and finish_grad_sync waits.
+        micro = list(
+            zip(
+                mine[0].chunk(run.num_microbatches),
+                mine[1].chunk(run.num_microbatches),
+                strict=True,
+            )
+        )
+        with fsdp.no_sync():
+            for tok, lab in micro[:-1]:
+                losses.append(_backward(wrapped, tok, lab, run.num_microbatches))
+        losses.append(_backward(wrapped, *micro[-1], run.num_microbatches))
+        if run.megatron_loop:
+            fsdp.finish_grad_sync()  # what Megatron-LM's finalize_model_grads does
+        ok, grad_norm, num_zeros = optimizer.step()
+        assert ok
+        loss_sum = torch.tensor([sum(losses)])
+        dist.all_reduce(loss_sum)
+        stats.append(
+            {
+                "loss": float(loss_sum) / world_size,
+                "reference_loss": reference_loss,
+                "grad_norm": float(grad_norm),
+                "reference_grad_norm": reference_norm,
+                "num_zeros": num_zeros,
+                "reference_num_zeros": reference_zeros,
+            }
+        )
+    return {
+        "deviations": deviations(optimizer, named, reference.model),
+        "stats": stats,
+        "routing": [(r.name, r.optimizer, r.is_expert) for r in optimizer.routing],
+        "summary": list(optimizer.summary_lines),
+    }
+
+
+def _backward(model, tokens, labels, num_microbatches: int) -> float:
+    loss = loss_of(model, tokens, labels) / num_microbatches
+    loss.backward()
+    return float(loss.detach())
+
+
+def _strip(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def deviations(
+    optimizer, named: dict[str, torch.Tensor], reference_model: torch.nn.Module
+) -> dict[str, tuple]:
+    """name -> (row start, row stop, ||mine - reference rows||^2, ||reference||) on this rank.
+
+    In ``linear_qkv.bias`` the key-bias rows are left out: their gradient is mathematically zero
+    (a key bias shifts every score of a query equally; softmax ignores it), ~1e-12 with either
+    sign in fp32, which AdamW's m / (sqrt(v) + eps) turns into noise (REFERENCE.md section 6).
+    """
+    from megatron_muon.layout import local_tensor
+
+    reference = {n: p.detach() for n, p in reference_model.named_parameters()}
+    out = {}
+    for entry in optimizer.routing:
+        param = named[entry.name]
+        name = _strip(entry.name)
+        local = local_tensor(param.detach())
+        row_numel = max(1, local.shape[1:].numel())
+        if tuple(local.shape) == tuple(param.shape):
+            start = 0
+        else:
+            start = param.megatron_fsdp_slice.start // row_numel
+        full = reference[name]
+        keep = ~_k_bias_rows(name, full.shape[0]) if name.endswith("linear_qkv.bias") else None
+        rows = full[start : start + local.shape[0]]
+        difference = (local - rows).double()
+        if keep is not None:
+            difference = difference[keep[start : start + local.shape[0]]]
+            full = full[keep]
+        out[name] = (
+            start,
+            start + local.shape[0],
+            float(difference.square().sum()),
+            float(full.double().norm()),
+        )
+    return out
+
+
+def _k_bias_rows(name: str, num_rows: int) -> torch.Tensor:
+    """Rows of a ``linear_qkv.bias`` that are the key bias (per query group: [Q | K | V])."""
+    group = num_rows // 4  # 4 query groups of one head each: [16 Q | 16 K | 16 V]
+    rows = torch.zeros(num_rows, dtype=torch.bool)
+    for start in range(0, num_rows, group):
+        rows[start + group // 3 : start + 2 * group // 3] = True
+    return rows
+
+
+def relative_errors(per_rank: list[dict[str, tuple]]) -> dict[str, float]:
+    """Whole-param relative error: rank pieces summed over distinct row ranges (replicas once)."""
+    errors = {}
+    for name in per_rank[0]:
+        pieces: dict[tuple[int, int], float] = {}
+        norm = per_rank[0][name][3]
+        for result in per_rank:
+            start, stop, squared, _ = result[name]
+            if stop > start:
+                pieces[(start, stop)] = max(pieces.get((start, stop), 0.0), squared)
+        errors[name] = (sum(pieces.values()) ** 0.5) / max(norm, 1e-12)
+    return errors

@@ -1,0 +1,232 @@
+"""build_muon_optimizer on real Megatron-FSDP GPTModels: parity with an unsharded reference.
+
+Each launch trains the tiny GPTModel (local spec, 2 layers, hidden 64, 4 heads, vocab 256, seq 32)
+for 5 steps of real forward/backward on 2 gloo ranks, under every sharding strategy in turn, next
+to a single-process fp32 reference (TensorParallelMuon + AdamW on full tensors, same routing,
+same data; ``tests/gpt_parity.py``). Clipping is active at every step (clip_grad 0.3 < grad norm),
+so the global grad norm over FSDP shards is checked too. Params are compared by whole-param
+relative error (Frobenius), ``fp32_matmul_prec="highest"``, tolerance 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import gpt_parity
+from tests.gpt_parity import Run
+from tests.harness import run_on_ranks
+
+TOLERANCE = 1e-5
+# The MoE router weight (4 x 64) is looser: its Muon update orthogonalizes a momentum with small
+# singular values, which Newton-Schulz amplifies; the fp32 difference between a 2-rank averaged
+# gradient and the single-process one (reduction order) becomes ~2e-5 after 5 steps. The deviation
+# is bit-identical under no_shard and optim_grads_params, so it does not come from sharding.
+ROUTER_TOLERANCE = 5e-5
+NUM_STEPS = 5
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# One loop flavour per strategy, so that every flavour meets a sharded and an unsharded strategy:
+# Megatron-LM's (the loop calls finish_grad_sync; grads_already_synced=True) and gradient
+# accumulation over 2 micro-batches.
+MCORE_RUNS = [
+    Run("mcore", "no_shard"),
+    Run("mcore", "optim", num_microbatches=2, megatron_loop=True),
+    Run("mcore", "optim_grads", num_microbatches=2),
+    Run("mcore", "optim_grads_params", megatron_loop=True),
+]
+FULLY_SHARD_RUNS = [
+    Run("fully_shard", "no_shard", megatron_loop=True, mode="gather"),
+    Run("fully_shard", "optim", num_microbatches=2),
+    Run("fully_shard", "optim_grads", mode="gather"),
+    Run("fully_shard", "optim_grads_params", num_microbatches=2),
+]
+
+
+def _train_runs(rank: int, world_size: int, runs: list, moe: bool = False) -> list:
+    gpt_parity.init_megatron()
+    return [gpt_parity.train(run, rank, world_size, NUM_STEPS, moe) for run in runs]
+
+
+def _by_run(results: list[list[dict]], runs: list[Run]) -> dict[Run, list[dict]]:
+    """run -> its per-rank results."""
+    return {run: [rank_results[i] for rank_results in results] for i, run in enumerate(runs)}
+
+
+@pytest.fixture(scope="module")
+def mcore_results() -> dict[Run, list[dict]]:
+    return _by_run(run_on_ranks(_train_runs, 2, MCORE_RUNS, timeout=600), MCORE_RUNS)
+
+
+@pytest.fixture(scope="module")
+def fully_shard_results() -> dict[Run, list[dict]]:
+    return _by_run(run_on_ranks(_train_runs, 2, FULLY_SHARD_RUNS, timeout=600), FULLY_SHARD_RUNS)
+
+
+@pytest.fixture(scope="module")
+def moe_results() -> dict[Run, list[dict]]:
+    runs = [Run("mcore", "optim_grads_params")]
+    return _by_run(run_on_ranks(_train_runs, 2, runs, True, timeout=600), runs)
+
+
+def _assert_matches_reference(per_rank: list[dict]) -> float:
+    errors = gpt_parity.relative_errors([result["deviations"] for result in per_rank])
+    for name, error in errors.items():
+        tolerance = ROUTER_TOLERANCE if name.endswith("mlp.router.weight") else TOLERANCE
+        assert error <= tolerance, f"{name}: relative error {error:.2e}"
+    worst = max(errors, key=errors.get)
+    for result in per_rank:
+        for step, stats in enumerate(result["stats"]):
+            # The grad norm is global over FSDP shards (stock ChainedOptimizer: local shards only).
+            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
+            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
+            # Only key-bias grads (mathematically zero, ~1e-12 in fp32: 2 x 64) may differ.
+            assert abs(stats["num_zeros"] - stats["reference_num_zeros"]) <= 128, step
+    return errors[worst]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_mcore_fully_sharded_data_parallel_gpt_matches_unsharded_reference(mcore_results, strategy):
+    run = next(r for r in MCORE_RUNS if r.strategy == strategy)
+    _assert_matches_reference(mcore_results[run])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_fsdp_fully_shard_model_gpt_matches_unsharded_reference(
+    fully_shard_results, strategy
+):
+    run = next(r for r in FULLY_SHARD_RUNS if r.strategy == strategy)
+    _assert_matches_reference(fully_shard_results[run])
+
+
+def test_moe_gpt_routes_experts_to_the_expert_muon_and_matches_reference(moe_results):
+    (per_rank,) = moe_results.values()
+    _assert_matches_reference(per_rank)
+    routing = {
+        name: (optimizer, is_expert) for name, optimizer, is_expert in per_rank[0]["routing"]
+    }
+    experts = [n for n in routing if ".experts." in n]
+    assert len(experts) == 2 * gpt_parity.NUM_EXPERTS * 2  # 2 layers x 4 experts x fc1/fc2
+    for name in experts:
+        assert routing[name] == ("muon", True), name
+    for layer in range(2):
+        assert routing[f"module.module.decoder.layers.{layer}.mlp.router.weight"] == ("muon", False)
+    summary = per_rank[0]["summary"]
+    assert [line.split(":")[0] for line in summary] == [
+        "megatron-muon Muon[dense]",
+        "megatron-muon Muon[expert]",
+        "megatron-muon AdamW",
+    ]
+    assert "over expt_dp (2 ranks)" in summary[1]
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix("module.module.")
+
+
+EXPECTED_MUON = [
+    f"decoder.layers.{layer}.{suffix}"
+    for layer in range(2)
+    for suffix in (
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+    )
+]
+
+
+def test_tiny_gpt_routing_table_by_name(mcore_results):
+    per_rank = mcore_results[MCORE_RUNS[0]]
+    routing = {_strip(n): (opt, expert) for n, opt, expert in per_rank[0]["routing"]}
+    assert sorted(n for n, (opt, _) in routing.items() if opt == "muon") == sorted(EXPECTED_MUON)
+    adam = sorted(n for n, (opt, _) in routing.items() if opt == "adam")
+    assert "embedding.word_embeddings.weight" in adam
+    # Stock megatron-core sends the learned position embedding to Muon (no tag): not here.
+    assert "embedding.position_embeddings.weight" in adam
+    assert "output_layer.weight" in adam
+    assert all(n.endswith(("bias", "layernorm.weight")) for n in adam if "layers" in n)
+    assert (
+        len(adam) == 3 + 2 * 8 + 2
+    )  # embeddings, output; per layer 4 biases + 2 norms x w/b; final
+    assert not any(expert for _, expert in routing.values())
+    for result in per_rank:
+        assert result["routing"] == per_rank[0]["routing"]  # same on every rank
+
+
+def test_summary_line_per_optimizer_names_counts_strategy_and_mode(mcore_results):
+    for run in MCORE_RUNS:
+        muon_line, adam_line = mcore_results[run][0]["summary"]
+        assert muon_line == (
+            "megatron-muon Muon[dense]: 8 params, 98,304 elements over dp_cp (2 ranks), "
+            f"strategy {run.strategy}, mode {run.mode}, tp_mode blockwise"
+        )
+        assert (
+            adam_line == f"megatron-muon AdamW: 21 params, 36,608 elements, strategy {run.strategy}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# clear errors
+# --------------------------------------------------------------------------------------------------
+
+
+def test_unknown_optimizer_name_is_refused_with_the_known_names():
+    from megatron_muon import build_muon_optimizer
+
+    with pytest.raises(ValueError, match=r"builds optimizer\(s\) \['muon'\].*optimizer='soap'"):
+        build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
+
+
+def test_fp16_with_muon_is_refused():
+    from megatron_muon import build_muon_optimizer
+
+    config = gpt_parity.optimizer_config(fp16=True)
+    with pytest.raises(ValueError, match="Muon with fp16 is not supported"):
+        build_muon_optimizer(config, [torch.nn.Linear(2, 2)])
+
+
+def test_a_chunk_not_wrapped_by_megatron_fsdp_is_refused():
+    from megatron_muon import build_muon_optimizer
+
+    with pytest.raises(
+        TypeError, match=r"model chunk 0 \(Linear\) is not wrapped by Megatron-FSDP"
+    ):
+        build_muon_optimizer(gpt_parity.optimizer_config(), [torch.nn.Linear(2, 2)])
+
+
+def _build_errors(rank: int, world_size: int) -> dict[str, str]:
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_muon import build_muon_optimizer
+
+    gpt_parity.init_megatron()
+    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(moe=True), Run("mcore", "optim"), world_size)
+    config = gpt_parity.optimizer_config()
+    messages = {}
+    overrides = get_standard_config_overrides(config)
+    overrides[ParamKey(name="*.final_layernorm.weight")] = {"optimizer": "muon"}
+    try:
+        build_muon_optimizer(config, [wrapped], config_overrides=overrides)
+    except ValueError as error:
+        messages["not_a_matrix"] = str(error)
+    mpu = ProcessGroupCollection.use_mpu_process_groups()
+    without_expt_dp = ProcessGroupCollection(tp=mpu.tp, dp_cp=mpu.dp_cp, expt_tp=mpu.expt_tp)
+    try:
+        build_muon_optimizer(config, [wrapped], pg_collection=without_expt_dp)
+    except ValueError as error:
+        messages["missing_expt_dp"] = str(error)
+    return messages
+
+
+def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused():
+    for messages in run_on_ranks(_build_errors, 2, timeout=300):
+        assert (
+            "decoder.final_layernorm.weight of shape (64,) is routed to Muon"
+            in (messages["not_a_matrix"])
+        )
+        assert (
+            "expert Muon params but pg_collection has no expt_dp group"
+            in (messages["missing_expt_dp"])
+        )
