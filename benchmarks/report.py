@@ -195,6 +195,16 @@ def _table(header: list[str], rows: list[list[object]]) -> list[str]:
     return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows), ""]
 
 
+def _ns_cell(column: str, value: object) -> str:
+    if isinstance(value, float) and column.endswith("_s"):
+        return f"{value * 1e3:.2f}"
+    if isinstance(value, float):
+        return f"{value:.2f}x" if "speedup" in column or "ratio" in column else f"{value:.3g}"
+    if isinstance(value, list):
+        return str(tuple(value))
+    return str(value)
+
+
 def format_markdown(results: dict) -> str:
     """The run as Markdown tables (what docs/benchmarks.md records)."""
     meta = results["meta"]
@@ -376,20 +386,12 @@ def format_markdown(results: dict) -> str:
     out.append("")
     out.append("**6. Gram vs standard Newton-Schulz** (`benchmarks.ns_methods`, one thread)")
     out.append("")
+    # Columns as benchmarks.ns_methods writes them (its own module owns their meaning).
+    timings = results["ns_methods"]
+    columns = list(timings[0]) if timings else []
     out += _table(
-        ["shape", "precision", "standard ms", "Gram ms", "speedup", "FLOP ratio", "Gram ran"],
-        [
-            [
-                tuple(t["shape"]),
-                t["precision"],
-                f"{t['standard_s'] * 1e3:.2f}",
-                f"{t['gram_s'] * 1e3:.2f}",
-                f"{t['speedup']:.2f}x",
-                f"{t['flop_ratio']:.2f}x",
-                t["gram_ran"],
-            ]
-            for t in results["ns_methods"]
-        ],
+        [c.removesuffix("_s") + " ms" if c.endswith("_s") else c for c in columns],
+        [[_ns_cell(column, t[column]) for column in columns] for t in timings],
     )
     return "\n".join(out)
 
