@@ -224,22 +224,17 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The ``torch.optim.Optimizer`` objects holding the state, in order.
 
     Accepts a torch optimizer, a list/tuple of them, megatron-core's ``ChainedOptimizer`` and any
-    ``MegatronOptimizer`` wrapper (``FP32Optimizer`` ...), and wrappers that expose the optimizer
-    they drive as ``.optimizer`` (the FSDP step wrapper).
+    ``MegatronOptimizer`` wrapping one in ``.optimizer`` (``FP32Optimizer``, the FSDP step wrapper).
     """
+    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
     if isinstance(optimizer, torch.optim.Optimizer):
         return [optimizer]
     if isinstance(optimizer, (list, tuple)):
         return [leaf for child in optimizer for leaf in leaf_optimizers(child)]
-    try:
-        from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
-    except ImportError:  # pragma: no cover - megatron-core is a dependency
-        ChainedOptimizer = MegatronOptimizer = ()  # type: ignore[assignment,misc]
     if isinstance(optimizer, ChainedOptimizer):
         return [leaf for child in optimizer.chained_optimizers for leaf in leaf_optimizers(child)]
-    if isinstance(optimizer, MegatronOptimizer) or isinstance(
-        getattr(optimizer, "optimizer", None), (torch.optim.Optimizer, list, tuple)
-    ):
+    if isinstance(optimizer, MegatronOptimizer):
         return leaf_optimizers(optimizer.optimizer)
     raise TypeError(
         f"cannot find the torch optimizers inside {type(optimizer).__name__}: pass a "
