@@ -2,8 +2,9 @@
 
 Runs ``examples/pretrain_gpt_megatron.py`` as ``__main__`` with the remaining arguments, then prints
 this rank's row layout of every parameter (``MEGATRON_MUON_LAYOUT {name: [local_rows, rows]}``,
-from the DTensors Megatron-FSDP hands the optimizer) and an end marker, so that a test can tell a
-rank that finished from one that hung.
+from the DTensors Megatron-FSDP hands the optimizer), what optimizer the loop got
+(``MEGATRON_MUON_OPTIMIZER {"class": ..., "summary": [...]}``) and an end marker, so that a test
+can tell a rank that finished from one that hung.
 
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
@@ -20,6 +21,7 @@ from typing import Any
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt_megatron.py"
 DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
 LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
+OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
 
 
@@ -58,7 +60,13 @@ def main() -> None:
     for chunk in captured.get("model", []):
         for name, param in chunk.named_parameters():
             layout[name] = _rows(param)
+    optimizer = captured.get("optimizer")
+    described = {
+        "class": type(optimizer).__name__,
+        "summary": list(getattr(optimizer, "summary_lines", [])),
+    }
     print(LAYOUT_MARKER + json.dumps(layout), flush=True)
+    print(OPTIMIZER_MARKER + json.dumps(described), flush=True)
     print(DONE_MARKER, flush=True)
 
 

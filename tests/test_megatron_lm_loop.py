@@ -74,12 +74,17 @@ def muon_dp1() -> MegatronRun:
 _DP2_RUNS: dict[str, MegatronRun] = {}
 
 
+# One strategy runs the reference "gather" mode (every rank orthogonalizes every matrix), the
+# others the default "owner" mode: both must equal the DP=1 run.
+FSDP_MODE = {"optim_grads": "gather"}
+
+
 def muon_dp2(strategy: str, checkpoint_root: Path) -> MegatronRun:
     """The DP=2 Muon run of ``strategy`` (optim_grads_params also saves at 3 and 6)."""
     if strategy not in _DP2_RUNS:
-        extra = []
+        extra = ["--muon-fsdp-mode", FSDP_MODE.get(strategy, "owner")]
         if strategy == "optim_grads_params":
-            extra = ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", "3"]
+            extra += ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", "3"]
         _DP2_RUNS[strategy] = run_megatron([*MUON_FLAGS, *_strategy(strategy), *extra], nproc=2)
     return _DP2_RUNS[strategy]
 
@@ -196,6 +201,11 @@ def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
         f"{muon_dp1.series('lm loss')}  ({run.wall_s:.1f} s)"
     )
     assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
+    # install() routed the loop's get_megatron_optimizer to our factory, with our flag's mode.
+    for described in run.optimizers.values():
+        assert described["class"] == "MegatronCheckpointedOptimizer", described
+        mode = FSDP_MODE.get(strategy, "owner")
+        assert any(f"mode {mode}" in line for line in described["summary"]), described
     assert_loss_falls(losses)
     assert_same_losses(losses, muon_dp1.series("lm loss"))
     assert_same_losses(run.series("grad norm"), muon_dp1.series("grad norm"))
@@ -289,5 +299,15 @@ def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
     stock = run_megatron(flags, nproc=2, install=False)
     with_install = run_megatron(flags, nproc=2, install=True)
     assert stock.iterations == with_install.iterations
+    for run in (stock, with_install):
+        # megatron-core's own optimizer for Adam on Megatron-FSDP, not ours.
+        assert {d["class"] for d in run.optimizers.values()} == {"DistributedOptimizer"}
     losses = stock.series("lm loss")
     assert losses[-1] < losses[0], losses
+
+
+def test_only_megatron_fsdp_chunks_count_as_megatron_fsdp() -> None:
+    from megatron_muon.integrations.megatron_lm import uses_megatron_fsdp
+
+    assert not uses_megatron_fsdp([torch.nn.Linear(4, 4)])
+    assert not uses_megatron_fsdp(torch.nn.Linear(4, 4))

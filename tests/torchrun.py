@@ -21,11 +21,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "megatron_lm_driver.py"
 DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
 LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
+OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 
 # The flags every test run shares: 2 gloo CPU ranks, the local (non-TE) GPT spec, no CUDA fusions,
 # no dropout, a tiny GPT (2 layers, hidden 64) on mock data, one log line per iteration.
@@ -56,13 +58,13 @@ class TorchrunTimeout(TimeoutError):
 
 @dataclass
 class MegatronRun:
-    """What one launch printed: per-iteration fields, layouts, each rank's output, wall time."""
+    """What one launch printed: per-iteration fields, layouts, optimizer, outputs, wall time."""
 
     iterations: dict[int, dict[str, float]]
     layouts: dict[int, dict[str, list[int]]]
     rank_outputs: dict[int, str]
     wall_s: float
-    extra: dict[str, str] = field(default_factory=dict)
+    optimizers: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def series(self, name: str = "lm loss") -> list[float]:
         """One field over the iterations, in iteration order."""
@@ -175,9 +177,12 @@ def run_megatron(
         raise TorchrunFailure(f"ranks {not_done} exited 0 without finishing the driver")
     iterations: dict[int, dict[str, float]] = {}
     layouts: dict[int, dict[str, list[int]]] = {}
+    optimizers: dict[int, dict[str, Any]] = {}
     for rank, text in outputs.items():
         iterations.update(parse_iteration_lines(text))
         for line in text.splitlines():
             if line.startswith(LAYOUT_MARKER):
                 layouts[rank] = json.loads(line[len(LAYOUT_MARKER) :])
-    return MegatronRun(iterations, layouts, outputs, wall_s)
+            elif line.startswith(OPTIMIZER_MARKER):
+                optimizers[rank] = json.loads(line[len(OPTIMIZER_MARKER) :])
+    return MegatronRun(iterations, layouts, outputs, wall_s, optimizers)
