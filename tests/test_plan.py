@@ -15,8 +15,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_muon.newton_schulz import ns_flops
 from megatron_muon.plan.__main__ import main as plan_main
-from megatron_muon.plan.models import PRESETS, Parallelism, load_model_config, muon_matrices
+from megatron_muon.plan.fsdp_layout import layout_rows
+from megatron_muon.plan.models import (
+    PRESETS,
+    ModelSpec,
+    Parallelism,
+    load_model_config,
+    muon_matrices,
+)
 from megatron_muon.plan.report import analyze
+from megatron_muon.plan.strategies import GroupInput, cost_of
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.split_newton_schulz import (
     long_dim,
@@ -309,6 +317,83 @@ def test_a_split_plan_executes_exactly_on_ranks_with_overlapping_blocks():
 def test_split_newton_schulz_rejects_a_block_split_along_the_wrong_dim():
     with pytest.raises(RankFailure, match="must hold block"):
         run_on_ranks(_wrong_block, 2, timeout=30)
+
+
+TINY = ModelSpec(
+    name="tiny",
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=128,
+)
+
+
+def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> dict:
+    # ShardedMuon itself, on the tool's Megatron-FSDP layout of the tiny model's Muon matrices.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_muon import ShardedMuon
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params = []
+    for index, matrix in enumerate(muon_matrices(TINY, Parallelism(dp=world_size)).dense):
+        full = torch.randn(*matrix.shape, generator=torch.Generator().manual_seed(index))
+        start = sum(rows[index][:rank])
+        local = full[start : start + rows[index][rank]].clone()
+        param = torch.nn.Parameter(
+            DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+            )
+        )
+        param.grad = DTensor.from_local(
+            local * 0.5 + 1.0,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=full.shape,
+            stride=full.stride(),
+        )
+        if len(matrix.pieces) > 1:
+            param.is_qkv = True
+            param.qkv_split_shapes = [r // TINY.query_groups for r, _ in matrix.pieces]
+        params.append(param)
+    muon = ShardedMuon(
+        params,
+        split_qkv=True,
+        is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+        fp32_matmul_prec="highest",
+        tp_mode="blockwise",
+        mode="owner",
+    )
+    muon.step()
+    stats = muon.step_stats
+    return {
+        "ns_flops": stats.ns_flops,
+        "bytes_sent": stats.bytes_sent,
+        "bytes_received": stats.bytes_received,
+        "collectives": stats.num_collectives,
+    }
+
+
+def test_tool_figures_equal_what_sharded_muon_measures_in_a_step():
+    # Unsplit plan (tiny matrices never split): the tool's NS FLOPs, bytes and collectives per
+    # rank must be exactly what ShardedMuon counts while stepping on the same layout.
+    world_size = 4
+    matrices = muon_matrices(TINY, Parallelism(dp=world_size)).dense
+    rows = layout_rows(matrices, world_size)
+    predicted = cost_of("ours", GroupInput(matrices, rows, world_size))
+    assert predicted.plan is not None and not predicted.plan.split_matrices()
+    measured = run_on_ranks(
+        _sharded_muon_stats, world_size, [[int(x) for x in r] for r in rows], timeout=90
+    )
+    for rank, stats in enumerate(measured):
+        assert stats["ns_flops"] == predicted.ns_flops[rank]
+        assert stats["bytes_sent"] == predicted.bytes_sent[rank]
+        assert stats["bytes_received"] == predicted.bytes_received[rank]
+        assert stats["collectives"] == predicted.collectives[rank]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
