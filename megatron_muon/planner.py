@@ -8,7 +8,14 @@ same matrices) computes the identical plan without communicating.
 - ``plan_split_owners``: the same, and where one owner per matrix cannot balance the ranks (ranks
   outnumber matrices, or one matrix's NS exceeds a rank's fair share) the largest matrices' NS is
   split over an aligned block of 2, 4, ... ranks (``split_newton_schulz``), exact to the full
-  result. A split is chosen only where it lowers the largest per-rank load.
+  result. A split is chosen only where it lowers the largest per-rank load, counting the split
+  NS traffic at ``flops_per_byte``.
+
+Executing a split plan (``ShardedMuon``): for matrix ``m`` with ``split_size(m) == g > 1``, rank
+``members(m)[j]`` holds block ``j`` (``split_bounds``) along ``split_dim_of_pieces(pieces)``, and
+the block's ranks call ``split_scaled_orthogonalize`` on each piece with the process group of that
+aligned block (one group per block, created once per block size used); every rank runs its split
+matrices in matrix order.
 """
 
 from __future__ import annotations

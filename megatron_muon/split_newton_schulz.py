@@ -18,9 +18,12 @@ matrix, as ``newton_schulz`` takes it) and ``X_j`` rank ``j``'s ``(k, l_j)`` col
 
 The normalization before the first step all-reduces the squared Frobenius norm. Per rank and step
 that is ``4 k^2 l_j + 2 k_j k^2`` FLOPs (``ns_flops / g`` for even blocks) and two collectives of
-``k^2`` elements. Every rank of the group must call with the same ``full_shape``; the blocks are
-those of ``split_bounds(long side, g)``. Under ``torch.get_float32_matmul_precision() == "medium"``
-the iteration runs in bf16 exactly as ``newton_schulz`` does (collectives then carry bf16).
+``k^2`` elements (``split_ns_bytes``). Same-shape matrices split over one group can go in one
+batched call, sharing the collectives. Every rank of the group must call with the same
+``full_shape``; the blocks are those of ``split_bounds(long side, g)``. Under
+``torch.get_float32_matmul_precision() == "medium"`` the iteration runs in bf16 exactly as
+``newton_schulz`` does (collectives then carry bf16). Only the standard iteration is split (not
+Gram NS).
 """
 
 from __future__ import annotations
