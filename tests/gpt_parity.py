@@ -30,7 +30,7 @@ CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at 
 class Run:
     """One training run: wrapper, strategy and loop flavour."""
 
-    wrapper: str  # "mcore" (FullyShardedDataParallel) or "fully_shard" (megatron_fsdp)
+    wrapper: str  # "mcore" (FullyShardedDataParallel), "fully_shard" / "fully_shard_hsdp"
     strategy: str
     num_microbatches: int = 1
     megatron_loop: bool = False  # loop calls finish_grad_sync itself (grads_already_synced=True)
@@ -122,7 +122,19 @@ def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+    if run.wrapper == "fully_shard_hsdp":
+        # HSDP: 2 replicas (outer dim, outer no_shard) x world/2 shards (inner strategy).
+        mesh = init_device_mesh(
+            "cpu", (2, world_size // 2, 1), mesh_dim_names=("outer", "fsdp", "tp")
+        )
+        hsdp = {
+            "dp_outer_dim": "outer",
+            "hybrid_fsdp_group": mesh["outer", "fsdp"]._flatten("hsdp").get_group(),
+            "outer_dp_sharding_strategy": "no_shard",
+        }
+    else:
+        mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+        hsdp = {}
     # The default (True) reduces every micro-batch's gradient in place into the accumulated buffer
     # under no_shard/optim: gradient accumulation needs it off (megatron_fsdp's own advice).
     kwargs = {"sync_model_each_microbatch": run.num_microbatches == 1}
@@ -135,6 +147,7 @@ def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
         tp_dim="tp",
         device=torch.device("cpu"),
         zero_dp_strategy=run.strategy,
+        **hsdp,
         **kwargs,
     )
 

@@ -230,3 +230,35 @@ def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused():
             "expert Muon params but pg_collection has no expt_dp group"
             in (messages["missing_expt_dp"])
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# HSDP: 2 replicas x 2 shards on 4 ranks
+# --------------------------------------------------------------------------------------------------
+
+# One step. Muon params 1e-5 as above. AdamW params 5e-5: AdamW's first update is ~lr * sign(g),
+# and output-layer elements with |g| near eps flip sign with the 4-rank reduction order (the same
+# 1.2e-5 on output_layer.weight appears on a plain 4-rank FSDP run, without HSDP).
+HSDP_ADAMW_TOLERANCE = 5e-5
+
+
+def _train_hsdp(rank: int, world_size: int) -> dict:
+    gpt_parity.init_megatron()
+    return gpt_parity.train(Run("fully_shard_hsdp", "optim_grads_params"), rank, world_size, 1)
+
+
+def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group():
+    per_rank = run_on_ranks(_train_hsdp, 4, timeout=600)
+    errors = gpt_parity.relative_errors([result["deviations"] for result in per_rank])
+    routing = {gpt_parity._strip(n): opt for n, opt, _ in per_rank[0]["routing"]}
+    for name, error in errors.items():
+        tolerance = TOLERANCE if routing[name] == "muon" else HSDP_ADAMW_TOLERANCE
+        assert error <= tolerance, f"{name}: relative error {error:.2e}"
+    for result in per_rank:
+        (stats,) = result["stats"]
+        # Replicated shards (outer no_shard) are counted once in the global grad norm.
+        assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5)
+    assert per_rank[0]["summary"][0] == (
+        "megatron-muon Muon[dense]: 8 params, 98,304 elements over dp_cp (4 ranks), strategy "
+        "HSDP(outer no_shard, inner optim_grads_params), mode owner, tp_mode blockwise"
+    )
