@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.factory import build_muon_optimizer, get_megatron_muon_optimizer
 from megatron_muon.sharded_muon import ShardedMuon, StepStats
@@ -15,4 +16,6 @@ __all__ = [
     "StepStats",
     "build_muon_optimizer",
     "get_megatron_muon_optimizer",
+    "load_checkpoint",
+    "save_checkpoint",
 ]

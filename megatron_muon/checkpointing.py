@@ -76,6 +76,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megatron_muon.step_wrapper import unwrap_megatron_fsdp
+
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
@@ -138,38 +140,6 @@ class LoadedCheckpoint:
 # --------------------------------------------------------------------------------------------------
 
 
-def _megatron_fsdp_classes() -> tuple[type, ...]:
-    """``MegatronFSDP`` from both copies of megatron_fsdp (REFERENCE.md section 1)."""
-    classes: list[type] = []
-    try:
-        from megatron_fsdp import MegatronFSDP
-
-        classes.append(MegatronFSDP)
-    except ImportError:
-        pass
-    try:
-        from megatron.core.distributed.fsdp.src.megatron_fsdp import MegatronFSDP as CoreFSDP
-
-        classes.append(CoreFSDP)
-    except ImportError:
-        pass
-    return tuple(classes)
-
-
-def _megatron_fsdp_module(chunk: nn.Module) -> nn.Module | None:
-    """The ``MegatronFSDP`` inside ``chunk`` (itself, or megatron-core's wrapper's ``.module``)."""
-    fsdp_classes = _megatron_fsdp_classes()
-    if isinstance(chunk, fsdp_classes):
-        return chunk
-    try:
-        from megatron.core.distributed import FullyShardedDataParallel
-    except ImportError:
-        return None
-    if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, fsdp_classes):
-        return chunk.module
-    return None
-
-
 def _as_chunks(model_chunks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     if isinstance(model_chunks, nn.Module):
         return [model_chunks]
@@ -194,7 +164,7 @@ def named_optimizer_params(
     named: list[tuple[str, torch.Tensor]] = []
     for index, chunk in enumerate(chunks):
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        fsdp = _megatron_fsdp_module(chunk)
+        fsdp = unwrap_megatron_fsdp(chunk)
         if fsdp is not None:
             pairs = list(fsdp.param_and_grad_buffer.optimizer_named_parameters)
         else:
@@ -208,7 +178,7 @@ def _named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     named: list[tuple[str, torch.Tensor]] = []
     for index, chunk in enumerate(chunks):
         prefix = f"chunk{index}." if len(chunks) > 1 else ""
-        fsdp = _megatron_fsdp_module(chunk)
+        fsdp = unwrap_megatron_fsdp(chunk)
         module = fsdp.module if fsdp is not None else chunk
         params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
         for name, value in module.state_dict(keep_vars=True).items():
@@ -672,7 +642,7 @@ def _read_marker(path: str) -> dict[str, Any]:
 def _install_model_weights(chunks: list[nn.Module]) -> None:
     """Copies the (loaded) main weights into Megatron-FSDP's compute weights, as after a step."""
     for chunk in chunks:
-        fsdp = _megatron_fsdp_module(chunk)
+        fsdp = unwrap_megatron_fsdp(chunk)
         if fsdp is not None:
             fsdp.install_optimized_model_weights()
 

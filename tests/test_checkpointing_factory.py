@@ -1,0 +1,70 @@
+"""Checkpoints of the factory's optimizer (``build_muon_optimizer``: chained Muon + AdamW behind the
+FSDP step wrapper) on megatron-core GPTModels under megatron-core's FullyShardedDataParallel: train
+k steps, save, train n more; fresh processes load and train n more; params and every optimizer
+state tensor (dense Muon, expert Muon over ``expt_dp``, AdamW) are bitwise the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import gpt_parity
+from tests.harness import run_on_ranks
+from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
+
+
+def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
+    """Save after k steps then train n more, or load in fresh processes and train n more.
+    Returns this rank's params and optimizer state by name."""
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.checkpointing import leaf_optimizers, load_checkpoint, save_checkpoint
+
+    gpt_parity.init_megatron()
+    model = gpt_parity.build_gpt(moe=moe)  # MoE: 4 SequentialMLP experts per layer, top-2
+    wrapped = gpt_parity.wrap(model, gpt_parity.Run("mcore", strategy), world_size)
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    with optimizer.fsdp_modules[0].no_sync():  # a bare loop: as Megatron's schedule leaves it
+        pass
+
+    def train(steps: int, first: int) -> None:
+        for step in range(first, first + steps):
+            tokens, labels = gpt_parity.batch(step, world_size)
+            optimizer.zero_grad()
+            mine = [t.view(world_size, -1, gpt_parity.SEQ)[rank] for t in (tokens, labels)]
+            gpt_parity.loss_of(wrapped, *mine).backward()
+            optimizer.step()
+
+    if save:
+        train(k, 0)
+        save_checkpoint(path, [wrapped], optimizer, iteration=k)
+        first = k
+    else:
+        first = load_checkpoint(path, [wrapped], optimizer).iteration
+    train(n, first)
+    return _local_snapshot(wrapped, leaf_optimizers(optimizer))
+
+
+@pytest.mark.parametrize(
+    "strategy,moe", [("optim", False), ("optim_grads_params", False), ("optim_grads_params", True)]
+)
+def test_factory_optimizer_on_gpt_resumes_bitwise(strategy, moe, tmp_path):
+    path = str(tmp_path / "gpt")
+    uninterrupted = run_on_ranks(_gpt, 2, strategy, moe, path, True, 2, 1, timeout=300)
+    resumed = run_on_ranks(_gpt, 2, strategy, moe, path, False, 2, 1, timeout=300)
+    for rank in range(2):
+        expected = uninterrupted[rank]
+        kinds = {frozenset(state) for state in expected["state"].values()}
+        assert frozenset({"momentum_buffer"}) in kinds and len(kinds) == 2, kinds
+        experts = [name for name in expected["state"] if ".experts." in name]
+        if moe:
+            assert len(experts) == 2 * 2 * gpt_parity.NUM_EXPERTS, (
+                experts
+            )  # layers x (fc1, fc2) x experts
+            for name in experts:
+                assert set(expected["state"][name]) == {"momentum_buffer"}, name
+        else:
+            assert not experts
+        _assert_bitwise_equal(expected, resumed[rank], f"rank {rank}")
+    for name in experts:  # trained: every expert's momentum is non-zero on some rank
+        total = sum(r["state"][name]["momentum_buffer"].abs().sum() for r in uninterrupted)
+        assert total > 0, name
