@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -330,8 +331,14 @@ TINY = ModelSpec(
 )
 
 
-def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> dict:
-    # ShardedMuon itself, on the tool's Megatron-FSDP layout of the tiny model's Muon matrices.
+# One layer with a long MLP: the planner splits fc1 (tall: by rows) and fc2 (wide: by columns).
+TINY_SPLIT = dataclasses.replace(TINY, name="tiny-split", num_layers=1, ffn_hidden_size=8192)
+
+
+def _sharded_muon_stats(
+    rank: int, world_size: int, spec: ModelSpec, rows: list[list[int]], min_split: int
+) -> dict:
+    # ShardedMuon itself, on the tool's Megatron-FSDP layout of the model's Muon matrices.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -339,7 +346,7 @@ def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> di
 
     mesh = init_device_mesh("cpu", (world_size,))
     params = []
-    for index, matrix in enumerate(muon_matrices(TINY, Parallelism(dp=world_size)).dense):
+    for index, matrix in enumerate(muon_matrices(spec, Parallelism(dp=world_size)).dense):
         full = torch.randn(*matrix.shape, generator=torch.Generator().manual_seed(index))
         start = sum(rows[index][:rank])
         local = full[start : start + rows[index][rank]].clone()
@@ -358,7 +365,7 @@ def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> di
         )
         if len(matrix.pieces) > 1:
             param.is_qkv = True
-            param.qkv_split_shapes = [r // TINY.query_groups for r, _ in matrix.pieces]
+            param.qkv_split_shapes = [r // spec.query_groups for r, _ in matrix.pieces]
         params.append(param)
     muon = ShardedMuon(
         params,
@@ -367,6 +374,7 @@ def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> di
         fp32_matmul_prec="highest",
         tp_mode="blockwise",
         mode="owner",
+        min_split_flops=min_split,
     )
     muon.step()
     stats = muon.step_stats
@@ -378,22 +386,35 @@ def _sharded_muon_stats(rank: int, world_size: int, rows: list[list[int]]) -> di
     }
 
 
-def test_tool_figures_equal_what_sharded_muon_measures_in_a_step():
-    # Unsplit plan (tiny matrices never split): the tool's NS FLOPs, bytes and collectives per
-    # rank must be exactly what ShardedMuon counts while stepping on the same layout.
+@pytest.mark.parametrize(
+    ("spec", "min_split"), [(TINY, 10**11), (TINY_SPLIT, 0)], ids=["owners", "split"]
+)
+def test_tool_figures_equal_what_sharded_muon_measures_in_a_step(spec, min_split):
+    # The tool's NS FLOPs, exchange bytes and collectives per rank must be exactly what
+    # ShardedMuon counts while stepping on the same layout (its step_stats leave out the split NS
+    # traffic inside rank blocks, which the tool adds on top).
     world_size = 4
-    matrices = muon_matrices(TINY, Parallelism(dp=world_size)).dense
+    matrices = muon_matrices(spec, Parallelism(dp=world_size)).dense
     rows = layout_rows(matrices, world_size)
-    predicted = cost_of("ours", GroupInput(matrices, rows, world_size))
-    assert predicted.plan is not None and not predicted.plan.split_matrices()
+    predicted = cost_of("ours", GroupInput(matrices, rows, world_size, min_split_cost=min_split))
+    assert predicted.plan is not None
+    assert bool(predicted.plan.split_matrices()) == (spec is TINY_SPLIT)
     measured = run_on_ranks(
-        _sharded_muon_stats, world_size, [[int(x) for x in r] for r in rows], timeout=90
+        _sharded_muon_stats,
+        world_size,
+        spec,
+        [[int(x) for x in r] for r in rows],
+        min_split,
+        timeout=90,
     )
+    exchanged = predicted.bytes_sent - predicted.split_bytes
     for rank, stats in enumerate(measured):
         assert stats["ns_flops"] == predicted.ns_flops[rank]
-        assert stats["bytes_sent"] == predicted.bytes_sent[rank]
-        assert stats["bytes_received"] == predicted.bytes_received[rank]
-        assert stats["collectives"] == predicted.collectives[rank]
+        assert stats["bytes_sent"] == exchanged[rank]
+        assert stats["bytes_received"] == exchanged[rank]
+        assert (
+            stats["collectives"] == predicted.collectives[rank] - predicted.split_collectives[rank]
+        )
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -17,7 +17,8 @@ memory, and collectives entered in one step.
 - ``ours``: ``planner.plan_split_owners`` (the owner plan, with the largest matrices' NS split over
   small rank blocks where one owner cannot balance); one packed all_to_all each way per exchange
   bucket (``ShardedMuon``) plus one small all_reduce of grad flags, plus the split NS collectives
-  among each block (same-shape pieces on one block and bucket batched into one call).
+  among each block (one ``split_scaled_orthogonalize`` call per piece, as ``ShardedMuon`` runs
+  them).
 
 Byte counts: the owner exchange moves fp32 rows (as ``ShardedMuon`` does); collectives count what
 one rank puts on the wire for a ring algorithm (all_gather of ``n`` chunks: ``n - 1`` chunks out and
@@ -56,6 +57,7 @@ class GroupInput:
         ns_bytes: bytes per element inside NS (2 under "medium" precision, 4 otherwise).
         max_split: largest rank block one matrix's NS may be split over (ours).
         flops_per_byte: ours: NS FLOPs one byte of split-NS traffic is worth to the planner.
+        min_split_cost: ours: matrices under this many NS FLOPs are never split.
         bucket_bytes: owner strategies exchange consecutive matrices whose full fp32 bytes fit
             this bound at once (``ShardedMuon(bucket_size_bytes=...)``); ``None``: all at once.
     """
@@ -68,6 +70,7 @@ class GroupInput:
     max_split: int = 16
     bucket_bytes: int | None = None
     flops_per_byte: float = 1000.0
+    min_split_cost: int = 10**11
 
     def buckets(self) -> list[list[int]]:
         """As ``ShardedMuon._buckets``: consecutive matrices within ``bucket_bytes`` fp32 bytes."""
@@ -107,6 +110,8 @@ class GroupCost:
     Attributes:
         useful_flops: NS FLOPs of the matrices themselves, once each (no replication, no padding).
         plan: the owner plan (owner strategies), else ``None``.
+        split_bytes / split_collectives: the part of ``bytes_sent`` (and received) and of
+            ``collectives`` that split NS adds inside rank blocks (zeros without splits).
     """
 
     strategy: str
@@ -117,6 +122,8 @@ class GroupCost:
     collectives: np.ndarray
     useful_flops: int
     plan: OwnerPlan | None = None
+    split_bytes: np.ndarray | None = None
+    split_collectives: np.ndarray | None = None
 
 
 def cost_of(strategy: str, group: GroupInput) -> GroupCost:
@@ -149,6 +156,7 @@ def plan_for(group: GroupInput) -> OwnerPlan:
         max_split=group.max_split,
         flops_per_byte=group.flops_per_byte,
         element_bytes=group.ns_bytes,
+        min_split_cost=group.min_split_cost,
     )
 
 
@@ -205,28 +213,41 @@ def _owner_exchange(strategy: str, group: GroupInput, plan: OwnerPlan) -> GroupC
     """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange."""
     flops = np.asarray(plan.loads, dtype=np.int64)
     sent, peak, workspace = _zeros(group), _zeros(group), _zeros(group)
+    split_bytes, split_collectives = _zeros(group), _zeros(group)
     buckets = group.buckets()
-    # grad-flag all_reduce, then per bucket one all_to_all there and one back
-    collectives = _zeros(group) + 1 + 2 * len(buckets)
-    split_batches: set[tuple[int, int, int, tuple[int, int]]] = set()
-    for number, bucket in enumerate(buckets):
+    for bucket in buckets:
         staged, held = _zeros(group), _zeros(group)
         for i in bucket:
             out, keep, extra = _matrix_exchange(group, plan, i, workspace)
             sent += out
             staged += keep
             held += extra
-            if plan.split_size(i) > 1:
-                for piece in group.matrices[i].pieces:
-                    split_batches.add((number, plan.owners[i], plan.split_size(i), piece))
+            members = plan.members(i)
+            if len(members) > 1:
+                # ShardedMuon runs one split_scaled_orthogonalize per piece: a norm all_reduce,
+                # then an all_reduce and an all_gather per NS step, among the block's ranks.
+                pieces = group.matrices[i].pieces
+                wire = split_ns_bytes(pieces, group.num_ns_steps, len(members), group.ns_bytes)
+                split_bytes[members.start : members.stop] += wire
+                split_collectives[members.start : members.stop] += len(pieces) * (
+                    1 + 2 * group.num_ns_steps
+                )
         peak = np.maximum(peak, staged + held)
-    # Same-shape pieces split over the same block in one bucket share one batched split NS call:
-    # a norm all_reduce, then an all_reduce and an all_gather per NS step.
-    for _, first, size, _ in split_batches:
-        collectives[first : first + size] += 1 + 2 * group.num_ns_steps
+    sent += split_bytes
+    # grad-flag all_reduce, then per bucket one all_to_all there and one back
+    collectives = _zeros(group) + 1 + 2 * len(buckets) + split_collectives
     useful = sum(group.cost(i) for i in range(len(group.matrices)))
     return GroupCost(
-        strategy, flops, sent, sent.copy(), peak + workspace, collectives, useful, plan
+        strategy,
+        flops,
+        sent,
+        sent.copy(),
+        peak + workspace,
+        collectives,
+        useful,
+        plan,
+        split_bytes,
+        split_collectives,
     )
 
 
@@ -271,6 +292,5 @@ def _matrix_exchange(
             incoming = (hi - lo) * cols - kept
         out[rank] = own[rank] + (incoming - kept) * _EXCHANGE_BYTES
         held[rank] = (hi - lo) * (cols if dim == 0 else rows) * _EXCHANGE_BYTES
-        out[rank] += split_ns_bytes(matrix.pieces, group.num_ns_steps, parts, group.ns_bytes)
         workspace[rank] = max(workspace[rank], group.workspace(matrix.pieces, parts))
     return out, staged, held
