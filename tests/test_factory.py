@@ -74,6 +74,7 @@ def _assert_matches_reference(per_rank: list[dict]) -> float:
         tolerance = ROUTER_TOLERANCE if name.endswith("mlp.router.weight") else TOLERANCE
         assert error <= tolerance, f"{name}: relative error {error:.2e}"
     worst = max(errors, key=errors.get)
+    print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
     for result in per_rank:
         for step, stats in enumerate(result["stats"]):
             # The grad norm is global over FSDP shards (stock ChainedOptimizer: local shards only).
@@ -194,7 +195,7 @@ def test_a_chunk_not_wrapped_by_megatron_fsdp_is_refused():
         build_muon_optimizer(gpt_parity.optimizer_config(), [torch.nn.Linear(2, 2)])
 
 
-def _build_errors(rank: int, world_size: int) -> dict[str, str]:
+def _build_variants(rank: int, world_size: int) -> dict:
     from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.optimizer.optimizer_config import ParamKey
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -204,24 +205,41 @@ def _build_errors(rank: int, world_size: int) -> dict[str, str]:
     gpt_parity.init_megatron()
     wrapped = gpt_parity.wrap(gpt_parity.build_gpt(moe=True), Run("mcore", "optim"), world_size)
     config = gpt_parity.optimizer_config()
-    messages = {}
+    out: dict = {}
     overrides = get_standard_config_overrides(config)
     overrides[ParamKey(name="*.final_layernorm.weight")] = {"optimizer": "muon"}
     try:
         build_muon_optimizer(config, [wrapped], config_overrides=overrides)
     except ValueError as error:
-        messages["not_a_matrix"] = str(error)
+        out["not_a_matrix"] = str(error)
     mpu = ProcessGroupCollection.use_mpu_process_groups()
     without_expt_dp = ProcessGroupCollection(tp=mpu.tp, dp_cp=mpu.dp_cp, expt_tp=mpu.expt_tp)
     try:
         build_muon_optimizer(config, [wrapped], pg_collection=without_expt_dp)
     except ValueError as error:
-        messages["missing_expt_dp"] = str(error)
-    return messages
+        out["missing_expt_dp"] = str(error)
+
+    # Lion as the scalar optimizer, and a matrix opted out of Muon with use_muon=False.
+    named = dict(wrapped.named_parameters())
+    named["module.module.decoder.layers.0.self_attention.linear_proj.weight"].use_muon = False
+    lion = build_muon_optimizer(
+        gpt_parity.optimizer_config(muon_scalar_optimizer="lion"), [wrapped]
+    )
+    out["lion_summary"] = lion.summary_lines
+    out["lion_state_keys"] = sorted(
+        {tuple(sorted(s)) for s in lion.chained_optimizers[-1].optimizer.state.values()}
+    )
+    out["lion_routing"] = {r.name: r.optimizer for r in lion.routing}
+    return out
 
 
-def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused():
-    for messages in run_on_ranks(_build_errors, 2, timeout=300):
+@pytest.fixture(scope="module")
+def variants() -> list[dict]:
+    return run_on_ranks(_build_variants, 2, timeout=300)
+
+
+def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused(variants):
+    for messages in variants:
         assert (
             "decoder.final_layernorm.weight of shape (64,) is routed to Muon"
             in (messages["not_a_matrix"])
@@ -262,3 +280,13 @@ def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group
         "megatron-muon Muon[dense]: 8 params, 98,304 elements over dp_cp (4 ranks), strategy "
         "HSDP(outer no_shard, inner optim_grads_params), mode owner, tp_mode blockwise"
     )
+
+
+def test_lion_scalar_optimizer_and_use_muon_false_route_as_megatron_does(variants):
+    for result in variants:
+        assert result["lion_summary"][-1].startswith("megatron-muon Lion: ")
+        assert result["lion_state_keys"] == [("exp_avg",)]  # created at build, for every param
+        routing = {gpt_parity._strip(n): opt for n, opt in result["lion_routing"].items()}
+        assert routing["decoder.layers.0.self_attention.linear_proj.weight"] == "lion"
+        assert routing["decoder.layers.1.self_attention.linear_proj.weight"] == "muon"
+        assert routing["embedding.position_embeddings.weight"] == "lion"
