@@ -7,6 +7,7 @@ state tensor (dense Muon, expert Muon over ``expt_dp``, AdamW) are bitwise the u
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import gpt_parity
 from tests.harness import run_on_ranks
@@ -68,3 +69,42 @@ def test_factory_optimizer_on_gpt_resumes_bitwise(strategy, moe, tmp_path):
     for name in experts:  # trained: every expert's momentum is non-zero on some rank
         total = sum(r["state"][name]["momentum_buffer"].abs().sum() for r in uninterrupted)
         assert total > 0, name
+
+
+def _gpt_full_state(rank, world_size, strategy, path, save) -> dict:
+    """MoE GPTModel with the factory's optimizer: train 2 steps and save, or load; returns params
+    and optimizer state gathered to full tensors."""
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.checkpointing import leaf_optimizers, load_checkpoint, save_checkpoint
+    from tests.test_checkpointing import _full_snapshot
+
+    gpt_parity.init_megatron()
+    model = gpt_parity.build_gpt(moe=True)
+    wrapped = gpt_parity.wrap(model, gpt_parity.Run("mcore", strategy), world_size)
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    with optimizer.fsdp_modules[0].no_sync():
+        pass
+    if save:
+        for step in range(2):
+            tokens, labels = gpt_parity.batch(step, world_size)
+            optimizer.zero_grad()
+            mine = [t.view(world_size, -1, gpt_parity.SEQ)[rank] for t in (tokens, labels)]
+            gpt_parity.loss_of(wrapped, *mine).backward()
+            optimizer.step()
+        save_checkpoint(path, [wrapped], optimizer, iteration=2)
+    else:
+        load_checkpoint(path, [wrapped], optimizer)
+    return _full_snapshot(wrapped, leaf_optimizers(optimizer))
+
+
+def test_factory_moe_checkpoint_saved_at_dp2_loads_at_dp1_with_state_on_the_right_rows(tmp_path):
+    path = str(tmp_path / "gpt_moe")
+    saved = run_on_ranks(_gpt_full_state, 2, "optim_grads_params", path, True, timeout=300)[0]
+    loaded = run_on_ranks(_gpt_full_state, 1, "optim", path, False, timeout=300)[0]
+    for name, tensor in saved["params"].items():
+        assert torch.equal(loaded["params"][name], tensor), name
+    for name, state in saved["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
+    experts = [n for n in saved["state"] if ".experts." in n]
+    assert experts and all(saved["state"][n]["momentum_buffer"].abs().sum() > 0 for n in experts)
