@@ -21,11 +21,12 @@ micro-batches as Megatron's schedule does: every micro-batch but the last under
 ``module.no_sync()``, the last outside it, then ``optimizer.step()``; with
 ``overlap_grad_reduce=True`` (megatron_fsdp.fully_shard_model's default) the last backward
 reduces and ``finish_grad_sync`` waits. Measured on CPU with megatron-core's wrapper and
-``overlap_grad_reduce=False`` under ``no_shard``/``optim``: a backward outside ``no_sync()``
-reduces and ``finish_grad_sync`` reduces again (gradients wrong); there, run every micro-batch
-under ``no_sync()`` and let ``finish_grad_sync`` reduce once. ``fully_shard_model``'s default
-``sync_model_each_microbatch=True`` reduces every micro-batch in place into the accumulated
-buffer: pass False to accumulate.
+``overlap_grad_reduce=False`` under ``optim``: a backward outside ``no_sync()`` reduces and
+``finish_grad_sync`` reduces again (gradient norm 0.78x the true one on the tiny GPT; harmless
+under ``no_shard``, whose all-reduce of equal replicas is idempotent); there, run every
+micro-batch under ``no_sync()`` and let ``finish_grad_sync`` reduce once.
+``fully_shard_model``'s default ``sync_model_each_microbatch=True`` reduces every micro-batch in
+place into the accumulated buffer: pass False to accumulate.
 
 ``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class (the
 ``megatron_fsdp`` package and megatron-core's vendored one) and megatron-core's
