@@ -17,6 +17,8 @@ from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
 def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
     """Save after k steps then train n more, or load in fresh processes and train n more.
     Returns this rank's params and optimizer state by name."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from megatron_muon import build_muon_optimizer
     from megatron_muon.checkpointing import leaf_optimizers, load_checkpoint, save_checkpoint
 
@@ -24,6 +26,20 @@ def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
     model = gpt_parity.build_gpt(moe=moe)  # MoE: 4 SequentialMLP experts per layer, top-2
     wrapped = gpt_parity.wrap(model, gpt_parity.Run("mcore", strategy), world_size)
     optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    # Megatron's scheduler: linear warm-up then cosine decay, weight decay ramp (state to resume).
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=gpt_parity.LR,
+        min_lr=0.1 * gpt_parity.LR,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=gpt_parity.WEIGHT_DECAY,
+        wd_incr_steps=10,
+        wd_incr_style="linear",
+    )
     with optimizer.fsdp_modules[0].no_sync():  # a bare loop: as Megatron's schedule leaves it
         pass
 
@@ -34,13 +50,14 @@ def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
             mine = [t.view(world_size, -1, gpt_parity.SEQ)[rank] for t in (tokens, labels)]
             gpt_parity.loss_of(wrapped, *mine).backward()
             optimizer.step()
+            scheduler.step(increment=1)
 
     if save:
         train(k, 0)
-        save_checkpoint(path, [wrapped], optimizer, iteration=k)
+        save_checkpoint(path, [wrapped], optimizer, scheduler, iteration=k)
         first = k
     else:
-        first = load_checkpoint(path, [wrapped], optimizer).iteration
+        first = load_checkpoint(path, [wrapped], optimizer, scheduler).iteration
     train(n, first)
     return _local_snapshot(wrapped, leaf_optimizers(optimizer))
 
