@@ -179,3 +179,60 @@ def test_megatron_fsdp_modules_are_recognised_by_class_not_by_attributes(contrac
         None,
         None,
     ]
+
+
+def _bf16_steps(rank: int, world_size: int) -> dict:
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.layout import local_tensor
+
+    gpt_parity.init_megatron()
+    model = gpt_parity.build_gpt()
+    model.config.bf16 = True
+    model = model.to(torch.bfloat16)
+    ddp_config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params",
+        use_megatron_fsdp=True,
+        gradient_reduce_div_fusion=False,
+        overlap_grad_reduce=True,
+    )
+    wrapped = FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(bf16=True), [wrapped])
+    params = optimizer.get_parameters()
+    before = [local_tensor(p.detach()).clone() for p in params]
+    tokens, labels = gpt_parity.batch(0, world_size)
+    mine = tokens.view(world_size, -1, gpt_parity.SEQ)[rank]
+    mine_labels = labels.view(world_size, -1, gpt_parity.SEQ)[rank]
+    losses, norms = [], []
+    for _ in range(3):
+        optimizer.zero_grad()
+        with optimizer.fsdp_modules[0].no_sync():
+            pass
+        loss = gpt_parity.loss_of(wrapped, mine, mine_labels)
+        loss.backward()
+        ok, grad_norm, _ = optimizer.step()
+        assert ok
+        losses.append(float(loss.detach()))
+        norms.append(float(grad_norm))
+    changed = [
+        not torch.equal(local_tensor(p.detach()), old)
+        for p, old in zip(params, before, strict=True)
+    ]
+    return {
+        "dtypes": sorted({str(p.dtype) for p in params}),
+        "losses": losses,
+        "norms": norms,
+        "changed": sum(changed),
+        "nonempty": sum(local_tensor(p).numel() > 0 for p in params),
+    }
+
+
+def test_bf16_model_trains_with_fp32_main_params_and_no_float16_optimizer_wrapper():
+    # megatron-core's Float16OptimizerWithFloat16Params needs main_grad, which Megatron-FSDP's
+    # DTensor main params lack (REFERENCE.md section 7): the factory keeps FP32Optimizer.
+    for result in run_on_ranks(_bf16_steps, 2, timeout=300):
+        assert result["dtypes"] == ["torch.float32"]
+        assert all(torch.isfinite(torch.tensor(result["losses"] + result["norms"])))
+        assert result["losses"][-1] < result["losses"][0]
+        assert result["changed"] == result["nonempty"]
