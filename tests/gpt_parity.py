@@ -30,7 +30,8 @@ CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at 
 class Run:
     """One training run: wrapper, strategy and loop flavour."""
 
-    wrapper: str  # "mcore" (FullyShardedDataParallel), "fully_shard" / "fully_shard_hsdp"
+    # "mcore" / "mcore_hsdp" (FullyShardedDataParallel), "fully_shard" / "fully_shard_hsdp"
+    wrapper: str
     strategy: str
     num_microbatches: int = 1
     megatron_loop: bool = False  # loop calls finish_grad_sync itself (grads_already_synced=True)
@@ -60,11 +61,15 @@ def optimizer_config(**overrides):
     return OptimizerConfig(**kwargs)
 
 
-def init_megatron() -> None:
+def init_megatron(num_distributed_optimizer_instances: int = 1) -> None:
+    """megatron-core's process groups (TP=1); 2 optimizer instances = HSDP with 2 replicas."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1,
+            num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        )
 
 
 def build_gpt(moe: bool = False) -> torch.nn.Module:
@@ -105,17 +110,23 @@ def build_gpt(moe: bool = False) -> torch.nn.Module:
 
 def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
     """Megatron-FSDP around ``model``: megatron-core's wrapper or megatron_fsdp's own."""
-    if run.wrapper == "mcore":
+    if run.wrapper in ("mcore", "mcore_hsdp"):
         from megatron.core.distributed import (
             DistributedDataParallelConfig,
             FullyShardedDataParallel,
         )
 
+        hsdp = (
+            {"num_distributed_optimizer_instances": 2, "outer_dp_sharding_strategy": "no_shard"}
+            if run.wrapper == "mcore_hsdp"
+            else {}
+        )
         ddp_config = DistributedDataParallelConfig(
             data_parallel_sharding_strategy=run.strategy,
             use_megatron_fsdp=True,
             gradient_reduce_div_fusion=False,
             overlap_grad_reduce=True,
+            **hsdp,
         )
         return FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
     import megatron_fsdp

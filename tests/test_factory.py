@@ -260,18 +260,33 @@ def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused(variant
 HSDP_ADAMW_TOLERANCE = 5e-5
 
 
-def _train_hsdp(rank: int, world_size: int) -> dict:
-    gpt_parity.init_megatron()
-    return gpt_parity.train(Run("fully_shard_hsdp", "optim_grads_params"), rank, world_size, 1)
+HSDP_RUNS = [Run("mcore_hsdp", "optim_grads_params"), Run("fully_shard_hsdp", "optim_grads_params")]
 
 
-def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group():
-    per_rank = run_on_ranks(_train_hsdp, 4, timeout=600)
+def _train_hsdp(rank: int, world_size: int) -> list[dict]:
+    # megatron-core: num_distributed_optimizer_instances=2 (outer no_shard); megatron_fsdp: a
+    # (outer, fsdp, tp) mesh. dp_cp spans all 4 ranks in both.
+    gpt_parity.init_megatron(num_distributed_optimizer_instances=2)
+    return [gpt_parity.train(run, rank, world_size, 1) for run in HSDP_RUNS]
+
+
+@pytest.fixture(scope="module")
+def hsdp_results() -> dict[Run, list[dict]]:
+    return _by_run(run_on_ranks(_train_hsdp, 4, timeout=600), HSDP_RUNS)
+
+
+@pytest.mark.parametrize("wrapper", ["mcore_hsdp", "fully_shard_hsdp"])
+def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group(
+    hsdp_results, wrapper
+):
+    per_rank = hsdp_results[next(r for r in HSDP_RUNS if r.wrapper == wrapper)]
     errors = gpt_parity.relative_errors([result["deviations"] for result in per_rank])
     routing = {gpt_parity._strip(n): opt for n, opt, _ in per_rank[0]["routing"]}
     for name, error in errors.items():
         tolerance = TOLERANCE if routing[name] == "muon" else HSDP_ADAMW_TOLERANCE
         assert error <= tolerance, f"{name}: relative error {error:.2e}"
+    worst = max(errors, key=errors.get)
+    print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
     for result in per_rank:
         (stats,) = result["stats"]
         # Replicated shards (outer no_shard) are counted once in the global grad norm.
