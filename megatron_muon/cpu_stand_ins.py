@@ -85,6 +85,8 @@ _TRAINING_REDIRECT_MODULES = [
     "megatron.training.utils.common_utils",
     "megatron.core.timers",
     "megatron.core.rerun_state_machine",
+    # get_default_causal_mask: the local attention's mask when the data loader sends none.
+    "megatron.core.transformer.utils",
 ]
 
 # Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.

@@ -114,6 +114,7 @@ def run_megatron(
     timeout: float = 150.0,
     install: bool = True,
     env: dict[str, str] | None = None,
+    entry: list[str] | None = None,
 ) -> MegatronRun:
     """Runs the example under torchrun on ``nproc`` CPU ranks and parses what the loop printed.
 
@@ -121,7 +122,14 @@ def run_megatron(
         script_args: Megatron flags after ``TINY_GPT_CPU_FLAGS`` (later flags win in argparse).
         install: ``False`` runs the example with ``install()`` replaced by the CPU stand-ins
             alone (stock megatron.training, for the behaviour-preserved test).
+        entry: run this instead of the driver (e.g. ``["-m", "megatron_muon.pretrain"]``), with
+            ``script_args`` alone (no ``TINY_GPT_CPU_FLAGS``, no end marker to wait for).
     """
+    target = (
+        [str(DRIVER), *([] if install else ["--no-megatron-muon-install"]), *TINY_GPT_CPU_FLAGS]
+        if entry is None
+        else list(entry)
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="mm_torchrun_"))
     command = [
         sys.executable,
@@ -131,9 +139,7 @@ def run_megatron(
         "--standalone",
         f"--log-dir={log_dir}",
         "--redirects=3",
-        str(DRIVER),
-        *([] if install else ["--no-megatron-muon-install"]),
-        *TINY_GPT_CPU_FLAGS,
+        *target,
         *script_args,
     ]
     run_env = {
@@ -160,6 +166,8 @@ def run_megatron(
         launcher_output, _ = process.communicate()
         outputs = _read_ranks(log_dir, nproc)
         stuck = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
+        if entry is not None:  # no end marker: name every rank
+            stuck = list(range(nproc))
         tails = "\n".join(f"--- rank {r} ---\n{outputs.get(r, '')[-2000:]}" for r in stuck)
         raise TorchrunTimeout(
             f"ranks {stuck} of {nproc} did not finish within {timeout:.0f} s\n{tails}"
@@ -173,7 +181,7 @@ def run_megatron(
             f"{launcher_output[-2000:]}"
         )
     not_done = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
-    if not_done:
+    if not_done and entry is None:
         raise TorchrunFailure(f"ranks {not_done} exited 0 without finishing the driver")
     iterations: dict[int, dict[str, float]] = {}
     layouts: dict[int, dict[str, list[int]]] = {}
