@@ -107,6 +107,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         self.inner = inner
         self.fsdp_modules = list(fsdp_modules)
         self.grads_already_synced = grads_already_synced
+        #: Where each param went and the lines logged at build time (set by the factory).
+        self.routing: list[Any] = []
+        self.summary_lines: list[str] = []
 
     # ----------------------------------------------------------------------------------------------
     # the step

@@ -305,3 +305,66 @@ def test_lion_scalar_optimizer_and_use_muon_false_route_as_megatron_does(variant
         assert routing["decoder.layers.0.self_attention.linear_proj.weight"] == "lion"
         assert routing["decoder.layers.1.self_attention.linear_proj.weight"] == "muon"
         assert routing["embedding.position_embeddings.weight"] == "lion"
+
+
+# --------------------------------------------------------------------------------------------------
+# no megatron-core process groups: the Megatron-FSDP module's own data-parallel group
+# --------------------------------------------------------------------------------------------------
+
+
+def _toy_without_parallel_state(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.layout import local_tensor
+    from tests.fsdp_models import ToyMLP, fully_shard_toy
+
+    assert not parallel_state.model_parallel_is_initialized()
+    torch.manual_seed(0)
+    reference = ToyMLP()
+    torch.manual_seed(0)
+    wrapped = fully_shard_toy(ToyMLP(), world_size, "optim")
+    named = dict(wrapped.named_parameters())
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    weights = [p for n, p in reference.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in reference.named_parameters() if n.endswith("bias")]
+    muon = TensorParallelMuon(
+        weights,
+        lr=gpt_parity.LR,
+        momentum=gpt_parity.MOMENTUM,
+        nesterov=True,
+        weight_decay=gpt_parity.WEIGHT_DECAY,
+        fp32_matmul_prec="highest",
+        tp_mode="blockwise",
+    )
+    adamw = torch.optim.AdamW(biases, lr=gpt_parity.LR, betas=gpt_parity.BETAS, weight_decay=0.0)
+    for step in range(3):
+        generator = torch.Generator().manual_seed(step)
+        inputs = torch.randn(world_size * 4, 16, generator=generator)
+        targets = torch.randn(world_size * 4, 16, generator=generator)
+        muon.zero_grad()
+        adamw.zero_grad()
+        torch.nn.functional.mse_loss(reference(inputs), targets).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), gpt_parity.CLIP_GRAD)
+        muon.step()
+        adamw.step()
+        optimizer.zero_grad()
+        mine = slice(rank * 4, (rank + 1) * 4)
+        torch.nn.functional.mse_loss(wrapped(inputs[mine]), targets[mine]).backward()
+        optimizer.step()
+    errors = {}
+    for name, ref in reference.named_parameters():
+        param = named[f"module.{name}"]
+        local = local_tensor(param.detach())
+        row_numel = max(1, local.shape[1:].numel())
+        start = 0 if local.shape == param.shape else param.megatron_fsdp_slice.start // row_numel
+        rows = ref.detach()[start : start + local.shape[0]]
+        errors[name] = float((local - rows).norm() / ref.detach().norm())
+    return {"errors": errors, "summary": optimizer.summary_lines}
+
+
+def test_without_parallel_state_the_megatron_fsdp_data_parallel_group_is_used():
+    for result in run_on_ranks(_toy_without_parallel_state, 2, timeout=300):
+        assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
+        assert "over Megatron-FSDP data-parallel group (2 ranks)" in result["summary"][0]
