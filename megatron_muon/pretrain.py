@@ -62,6 +62,13 @@ def add_pretrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """This entry point's own flags (Megatron's and megatron-muon's come from ``install()``)."""
     group = parser.add_argument_group(title="megatron-muon pretrain")
     group.add_argument(
+        "--config",
+        type=str,
+        default=None,
+        help="YAML whose keys (in any top-level section) are Megatron flag names with "
+        "underscores; they are applied before the command line's flags, which win.",
+    )
+    group.add_argument(
         "--text-path",
         type=str,
         default=None,
@@ -73,6 +80,75 @@ def add_pretrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--plot", type=str, default=None, help="Write a PNG of the loss curves here (rank 0)."
     )
     return parser
+
+
+# --------------------------------------------------------------------------------------------------
+# --config
+# --------------------------------------------------------------------------------------------------
+
+# Keys of the project's configs that describe a run but are no Megatron flag.
+_DESCRIPTIVE_KEYS = frozenset({"name", "default_ep", "default_tp", "default_pp"})
+# TransformerConfig names that Megatron's parser spells differently.
+_FLAG_ALIASES = {"gated_linear_unit": "swiglu"}
+
+
+def _known_options() -> dict[str, argparse.Action]:
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_muon.arguments import add_muon_args
+
+    parser = add_pretrain_args(add_muon_args(add_megatron_arguments(argparse.ArgumentParser())))
+    return dict(parser._option_string_actions)
+
+
+def config_flags(path: str | Path) -> list[str]:
+    """Megatron flags from a YAML config: ``{section: {flag_name: value}}`` or flat.
+
+    ``true`` gives a bare flag, ``false`` and ``null`` leave it out, lists become Megatron's
+    bracketed strings (``moe_layer_freq: [0, 1]`` -> ``--moe-layer-freq [0,1]``).
+
+    Raises:
+        ValueError: a key that is no flag of Megatron's, ours or this entry point's.
+    """
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    items: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            items.update(value)
+        else:
+            items[key] = value
+    options = _known_options()
+    flags: list[str] = []
+    unknown = []
+    for key, value in items.items():
+        option = "--" + _FLAG_ALIASES.get(key, key).replace("_", "-")
+        if key in _DESCRIPTIVE_KEYS:
+            continue
+        if option not in options:
+            unknown.append(key)
+            continue
+        if value is True:
+            flags.append(option)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            flags += [option, "[" + ",".join(str(v) for v in value) + "]"]
+        else:
+            flags += [option, str(value)]
+    if unknown:
+        raise ValueError(f"{path}: {sorted(unknown)} are not Megatron flags")
+    return flags
+
+
+def _config_path(flags: Sequence[str]) -> str | None:
+    for index, flag in enumerate(flags):
+        if flag == "--config" and index + 1 < len(flags):
+            return flags[index + 1]
+        if flag.startswith("--config="):
+            return flag.split("=", 1)[1]
+    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -341,9 +417,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
     megatron_lm.install()
     user_flags = list(sys.argv[1:] if argv is None else argv)
+    config_path = _config_path(user_flags)
+    from_config = config_flags(config_path) if config_path else []
     defaults = [] if torch.cuda.is_available() else list(CPU_FLAGS)
-    if not any(flag in user_flags for flag in ("--mock-data", "--data-path", "--train-data-path")):
+    data_flags = ("--mock-data", "--data-path", "--train-data-path")
+    if not any(flag in [*from_config, *user_flags] for flag in data_flags):
         defaults += BYTE_DATA_FLAGS
+    defaults += from_config
     sys.argv = [sys.argv[0], *defaults, *user_flags]
 
     from megatron.core.enums import ModelType

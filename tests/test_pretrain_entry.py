@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.torchrun import run_megatron
+from tests.torchrun import REPO, run_megatron
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -21,6 +21,8 @@ def test_pretrain_entry_point_trains_on_embedded_text_and_writes_its_log(tmp_pat
     pytest.importorskip("matplotlib")
     log_json, plot = tmp_path / "run.json", tmp_path / "loss.png"
     flags = [
+        # The config's run shape, overridden below (command-line flags win) to stay fast.
+        *("--config", str(REPO / "configs" / "tiny-cpu.yaml")),
         *("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
         *("--data-parallel-sharding-strategy optim_grads_params").split(),
         *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64").split(),
@@ -47,3 +49,21 @@ def test_pretrain_entry_point_trains_on_embedded_text_and_writes_its_log(tmp_pat
     assert all(0.0 < record["optimizer_share"] < 1.0 for record in log["train"])
     assert plot.stat().st_size > 0
     print(f"\npretrain entry: train loss {losses}, valid {log['valid']} ({run.wall_s:.1f} s)")
+
+
+def test_config_flags_turn_yaml_sections_into_megatron_flags(tmp_path: Path) -> None:
+    from megatron_muon.pretrain import config_flags
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model:\n  name: tiny\n  num_layers: 2\n  gated_linear_unit: true\n"
+        "  moe_layer_freq: [0, 1]\ntrain:\n  lr: 0.01\n  use_megatron_fsdp: true\n"
+        "  bf16: false\n"
+    )
+    assert config_flags(config) == [
+        *("--num-layers", "2", "--swiglu", "--moe-layer-freq", "[0,1]"),
+        *("--lr", "0.01", "--use-megatron-fsdp"),
+    ]
+    config.write_text("model:\n  num_layerz: 2\n")
+    with pytest.raises(ValueError, match="num_layerz"):
+        config_flags(config)
