@@ -122,6 +122,9 @@ def _build(
     torch.manual_seed(seed)
     module = ToyMoE() if moe else ToyMLP(dim=DIM, hidden=hidden)
     dp_group = None
+    if strategy.endswith("_bf16"):  # bf16 compute weights; Megatron-FSDP keeps fp32 main weights
+        module = module.to(torch.bfloat16)
+        strategy = strategy.removesuffix("_bf16")
     if strategy.startswith("hsdp_"):
         wrapped, dp_group = _hsdp_wrap(module, outer=strategy.removeprefix("hsdp_"))
     else:
@@ -140,7 +143,9 @@ def _build(
     return wrapped, optimizers, WarmupScheduler(optimizers)
 
 
-def _train(wrapped, optimizers, scheduler, rank, world_size, steps, first_step, noise) -> None:
+def _train(
+    wrapped, optimizers, scheduler, rank, world_size, steps, first_step, noise, dtype=torch.float32
+) -> None:
     per_rank = GLOBAL_BATCH // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     for step in range(first_step, first_step + steps):
@@ -149,6 +154,7 @@ def _train(wrapped, optimizers, scheduler, rank, world_size, steps, first_step, 
         targets = torch.randn(GLOBAL_BATCH, DIM, generator=generator)[mine]
         if noise:  # draws from this rank's global RNG: differs unless the RNG state is restored
             inputs = inputs + 0.1 * torch.randn_like(inputs)
+        inputs, targets = inputs.to(dtype), targets.to(dtype)
         wrapped.zero_grad_buffer()
         for optimizer in optimizers:
             optimizer.zero_grad()
@@ -213,14 +219,22 @@ def _full_snapshot(wrapped, optimizers) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
+def _dtype(strategy: str) -> torch.dtype:
+    return torch.bfloat16 if strategy.endswith("_bf16") else torch.float32
+
+
 def _train_save_train(rank, world_size, strategy, path, k, n) -> dict:
     from megatron_muon.checkpointing import named_optimizer_params, save_checkpoint
     from megatron_muon.layout import gather_row_layouts
 
     wrapped, optimizers, scheduler = _build(world_size, strategy)
-    _train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=True)
+    _train(
+        wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=True, dtype=_dtype(strategy)
+    )
     save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k, extra={"tokens": 7})
-    _train(wrapped, optimizers, scheduler, rank, world_size, n, k, noise=True)
+    _train(
+        wrapped, optimizers, scheduler, rank, world_size, n, k, noise=True, dtype=_dtype(strategy)
+    )
     named = named_optimizer_params(wrapped)
     layouts = gather_row_layouts([p for _, p in named], None)
     return {
@@ -235,7 +249,17 @@ def _load_train(rank, world_size, strategy, path, n) -> dict:
     # A different init seed: everything that matters must come from the checkpoint.
     wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123)
     loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
-    _train(wrapped, optimizers, scheduler, rank, world_size, n, loaded.iteration, noise=True)
+    _train(
+        wrapped,
+        optimizers,
+        scheduler,
+        rank,
+        world_size,
+        n,
+        loaded.iteration,
+        noise=True,
+        dtype=_dtype(strategy),
+    )
     return {
         "snapshot": _local_snapshot(wrapped, optimizers),
         "iteration": loaded.iteration,
@@ -255,7 +279,14 @@ def _assert_bitwise_equal(expected: dict, actual: dict, where: str) -> None:
 
 @pytest.mark.parametrize(
     "strategy,world_size",
-    [("no_shard", 2), ("optim", 2), ("optim_grads", 2), ("optim_grads_params", 2), ("optim", 3)],
+    [
+        ("no_shard", 2),
+        ("optim", 2),
+        ("optim_grads", 2),
+        ("optim_grads_params", 2),
+        ("optim", 3),
+        ("optim_grads_params_bf16", 2),
+    ],
 )
 def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(
     strategy, world_size, tmp_path
@@ -271,7 +302,7 @@ def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(
         _assert_bitwise_equal(
             uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
         )
-    if strategy != "no_shard":
+    if not strategy.startswith("no_shard"):
         # DCP's metadata: each rank wrote exactly its true (uneven; at DP=3 also empty) rows.
         layouts = uninterrupted[0]["layouts"]
         has_empty = any(stop == start for ranges in layouts.values() for start, stop in ranges)
