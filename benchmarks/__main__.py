@@ -208,15 +208,21 @@ def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]
     return timing, memory
 
 
-def exchange_transient_section(optimizer_step: dict) -> dict:
+def exchange_transient_section(optimizer_step: dict, device: str) -> dict:
     """Section 4b: a step's peak memory above its start, owner vs gather (from section 1's runs)."""
-    section: dict[str, dict] = {}
+    by_model: dict[str, dict] = {}
+    section = {
+        "measure": "live tensor bytes (profiler memory timeline)"
+        if device == "cpu"
+        else "max_memory_allocated",
+        "by_model": by_model,
+    }
     for name, model in optimizer_step.items():
-        section[name] = {}
+        by_model[name] = {}
         for dp, entry in model["by_dp"].items():
             owner, gather = entry["owner"], entry["gather"]
             bucketed = entry["owner_bucketed"]
-            section[name][dp] = {
+            by_model[name][dp] = {
                 "owner_peak_step_bytes_max": owner["peak_step_bytes_max"],
                 "gather_peak_step_bytes_max": gather["peak_step_bytes_max"],
                 "owner_bucketed_peak_step_bytes_max": bucketed["peak_step_bytes_max"],
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     results["training_step"] = training
     results["memory"] = {
         "training_step": training_memory,
-        "exchange_transient": exchange_transient_section(results["optimizer_step"]),
+        "exchange_transient": exchange_transient_section(results["optimizer_step"], args.device),
     }
     results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
     # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.

@@ -4,12 +4,15 @@ Time: ``timed(fn)`` brackets ``fn`` with barriers (and a device synchronize on G
 reads the wall time of the whole collective step; the benchmarks take the median over repeats after
 warm-up.
 
-Memory: on CPU, peak resident set size (Linux ``VmHWM``, reset by writing 5 to
-``/proc/self/clear_refs``) minus the resident size just before; on GPUs, ``max_memory_allocated``
-minus ``memory_allocated`` before. glibc keeps freed heap memory resident (up to its dynamic mmap
-threshold, 32 MiB), which would hide a step's transient buffers, so ``return_freed_memory_to_os``
-makes every allocation of 64 KiB or more its own mapping, returned when freed; it is called only
-in the ranks (and phases) that measure memory, never before timing.
+Memory, two probes:
+- ``MemoryProbe``: on CPU, peak resident set size (Linux ``VmHWM``, reset by writing 5 to
+  ``/proc/self/clear_refs``) minus the resident size at ``start()``; on GPUs,
+  ``max_memory_allocated`` minus ``memory_allocated`` at ``start()``. glibc keeps freed heap memory
+  resident (below its dynamic mmap threshold, up to 32 MiB), which would hide transients, so
+  ``return_freed_memory_to_os`` makes every allocation of 64 KiB or more its own mapping, returned
+  when freed; it is called only in processes that measure RSS, never before timing.
+- ``tensor_memory_peak``: peak bytes of live CPU tensors during one call (the profiler's memory
+  timeline): exact, and free of what RSS also holds (library code, kernel JIT caches).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 __all__ = [
     "MemoryProbe",
+    "tensor_memory_peak",
     "growth_exponent",
     "median",
     "return_freed_memory_to_os",
@@ -103,6 +107,37 @@ class MemoryProbe:
 
     def peak_above_start(self) -> int:
         return self.peak() - self.baseline
+
+
+def tensor_memory_peak(fn: Callable[[], object], device: str) -> int:
+    """Peak bytes of live CPU tensors during ``fn``, above those alive when it starts.
+
+    From the PyTorch profiler's memory timeline: every tensor allocation and free is recorded,
+    so the figure is exact and independent of the allocator and of the OS (unlike RSS, which also
+    holds library code and freed-but-kept heap). Costs a profiled run of ``fn``.
+    """
+    import json
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if device != "cpu":
+        raise ValueError(f"tensor_memory_peak is for CPU tensors; on {device} use MemoryProbe")
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
+        # Deprecated in favour of torch.cuda.memory's snapshots, which see CUDA memory only.
+        warnings.filterwarnings("ignore", ".*export_memory_timeline.*", FutureWarning)
+        path = f"{directory}/timeline.json"
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _, sizes = json.load(f)
+    totals = [sum(categories) for categories in sizes]
+    # The timeline opens with the tensors that existed before ``fn`` (params, state).
+    return max(totals) - totals[0] if totals else 0
 
 
 def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:

@@ -13,7 +13,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
+from benchmarks.measure import MemoryProbe, median, tensor_memory_peak, timed
 from benchmarks.models import ShapeModel, TransformerShapes, shard_like_megatron_fsdp
 
 __all__ = [
@@ -72,16 +72,20 @@ def _time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) 
 
 
 def _peak_step_memory(optimizers: dict, device: str) -> dict:
-    """Peak memory above the pre-step level during one step of each optimizer, bytes."""
-    if device == "cpu":
-        return_freed_memory_to_os()
-    probe = MemoryProbe(device)
+    """Peak tensor memory above the pre-step level during one step of each optimizer, bytes.
+
+    CPU: live tensor bytes from the profiler's memory timeline; GPU: ``max_memory_allocated``.
+    """
     peaks = {}
     for name, optimizer in optimizers.items():
         dist.barrier()
-        probe.start()
-        optimizer.step()
-        peaks[name] = probe.peak_above_start()
+        if device == "cpu":
+            peaks[name] = tensor_memory_peak(optimizer.step, device)
+        else:
+            probe = MemoryProbe(device)
+            probe.start()
+            optimizer.step()
+            peaks[name] = probe.peak_above_start()
         dist.barrier()
     return peaks
 
@@ -97,10 +101,9 @@ def owner_vs_gather(
 ) -> dict:
     """ShardedMuon owner vs gather on Megatron-FSDP row shards of each model: time, stats, memory.
 
-    All models are timed first, then their memory is measured (the memory probe changes malloc
-    settings for the rest of the process). Memory is also measured for owner mode with
-    ``bucket_size_bytes`` (``owner_bucketed``), the knob that bounds the full matrices held at
-    once; it is not timed.
+    All models are timed first, then their memory is measured (profiled steps). Memory is also
+    measured for owner mode with ``bucket_size_bytes`` (``owner_bucketed``), the knob that bounds
+    the full matrices held at once; it is not timed.
 
     Returns:
         ``{model name: {"seconds", "stats", "peak_step_bytes"}}`` for this rank.

@@ -45,12 +45,13 @@ REQUIRED_FIGURES = (
     "memory.training_step.muon_peak_bytes",
     "memory.training_step.adamw_peak_bytes",
     "memory.training_step.muon_over_adamw",
-    "memory.exchange_transient.*.*.owner_peak_step_bytes_max",
-    "memory.exchange_transient.*.*.gather_peak_step_bytes_max",
-    "memory.exchange_transient.*.*.owner_full_matrix_bytes_max",
-    "memory.exchange_transient.*.*.gather_full_matrix_bytes_max",
-    "memory.exchange_transient.*.*.gather_over_owner",
-    "memory.exchange_transient.*.*.owner_bucketed_peak_step_bytes_max",
+    "memory.exchange_transient.measure",
+    "memory.exchange_transient.by_model.*.*.owner_peak_step_bytes_max",
+    "memory.exchange_transient.by_model.*.*.gather_peak_step_bytes_max",
+    "memory.exchange_transient.by_model.*.*.owner_full_matrix_bytes_max",
+    "memory.exchange_transient.by_model.*.*.gather_full_matrix_bytes_max",
+    "memory.exchange_transient.by_model.*.*.gather_over_owner",
+    "memory.exchange_transient.by_model.*.*.owner_bucketed_peak_step_bytes_max",
     "scaling.hidden",
     "scaling.seconds",
     "scaling.growth_exponent",
@@ -121,14 +122,16 @@ def format_report(results: dict) -> str:
     )
     lines.append("")
     m = results["memory"]["training_step"]
-    lines.append(f"4. Memory ({m['measure']}, per rank, max over ranks)")
+    lines.append(f"4. Memory (per rank, max over ranks; training step: {m['measure']})")
     lines.append(
         f"   training step peak above start-up: Muon {_mb(m['muon_peak_bytes'])}, AdamW "
         f"{_mb(m['adamw_peak_bytes'])}, Muon/AdamW {m['muon_over_adamw']:.3f} "
         f"(model+grads+state before the step: Muon {_mb(m['muon_state_bytes'])}, "
         f"AdamW {_mb(m['adamw_state_bytes'])})"
     )
-    for name, by_dp in results["memory"]["exchange_transient"].items():
+    transient = results["memory"]["exchange_transient"]
+    lines.append(f"   optimizer-step transient memory: {transient['measure']}")
+    for name, by_dp in transient["by_model"].items():
         for dp, e in by_dp.items():
             lines.append(
                 f"   {name} DP={dp} optimizer-step transient: owner "
@@ -319,7 +322,8 @@ def format_markdown(results: dict) -> str:
         ],
     )
     rows = []
-    for name, by_dp in results["memory"]["exchange_transient"].items():
+    transient = results["memory"]["exchange_transient"]
+    for name, by_dp in transient["by_model"].items():
         for dp, e in by_dp.items():
             rows.append(
                 [
@@ -334,10 +338,10 @@ def format_markdown(results: dict) -> str:
                     _mb(e["owner_bucketed_full_matrix_bytes_max"]),
                 ]
             )
-    bucket = next(iter(next(iter(results["memory"]["exchange_transient"].values())).values()))
+    bucket = next(iter(next(iter(transient["by_model"].values())).values()))["bucket_size_bytes"]
     out.append(
-        "Optimizer-step transient memory (peak above the step's start, max over ranks; bucketed: "
-        f"`bucket_size_bytes` = {_mb(bucket['bucket_size_bytes'])}):"
+        f"Optimizer-step transient memory ({transient['measure']}: peak above the step's start, "
+        f"max over ranks; bucketed: `bucket_size_bytes` = {_mb(bucket)}):"
     )
     out.append("")
     out += _table(
