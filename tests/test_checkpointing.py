@@ -5,13 +5,16 @@ The model is ``ToyMLP`` wrapped by ``megatron_fsdp.fully_shard_model`` (uneven r
 ``AdamW``, with a small warm-up scheduler over both. Each ``run_on_ranks`` launch is a fresh set of
 processes, so a load never sees state left by the save.
 
-- Resume (same DP size, every sharding strategy): train k steps, save, train n more; fresh ranks
-  load and train n more: params and optimizer state are **bitwise** equal to the uninterrupted run
-  (with a rank-specific random draw each step, so RNG restore is checked too).
-- Reshard (saved at DP=2, loaded at DP=1 and DP=3 under other strategies): params, Muon momentum
-  and AdamW moments gathered to full tensors are bitwise the saved ones; the next step equals the
-  never-resharded DP=2 run within 1e-6 relative (the grads' all-reduce order differs with DP size).
-- Error cases: every rank raises the same error naming what is wrong, and nothing is changed.
+- Resume (same DP size, every sharding strategy, bf16 compute weights): train k steps, save, train
+  n more; fresh ranks load and train n more: params and optimizer state are **bitwise** equal to the
+  uninterrupted run (with a rank-specific random draw each step, so RNG restore is checked too);
+  DCP's metadata holds exactly each rank's true rows, none for an empty shard.
+- Reshard (saved at DP=2, loaded at DP=1 and DP=3 under other strategies; HSDP onto plain FSDP;
+  3-D experts; plain uneven DTensors): params, Muon momentum and AdamW moments gathered to full
+  tensors are bitwise the saved ones; the next step equals the never-resharded DP=2 run within 1e-6
+  relative (the grads' all-reduce order differs with DP size).
+- Errors and atomicity: every rank raises the same error naming what is wrong, and nothing is
+  changed; an interrupted save never loads; an existing checkpoint is replaced only on request.
 """
 
 from __future__ import annotations
