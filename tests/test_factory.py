@@ -230,6 +230,15 @@ def _build_variants(rank: int, world_size: int) -> dict:
         {tuple(sorted(s)) for s in lion.chained_optimizers[-1].optimizer.state.values()}
     )
     out["lion_routing"] = {r.name: r.optimizer for r in lion.routing}
+
+    # decoupled_lr (megatron-core's standard override) on embedding and output params.
+    decoupled = build_muon_optimizer(gpt_parity.optimizer_config(decoupled_lr=5e-3), [wrapped])
+    names = {id(p): gpt_parity._strip(n) for n, p in wrapped.named_parameters()}
+    out["lr_by_param"] = {
+        names[id(p)]: (group["lr"], group["max_lr"])
+        for group in decoupled.param_groups
+        for p in group["params"]
+    }
     return out
 
 
@@ -368,3 +377,16 @@ def test_without_parallel_state_the_megatron_fsdp_data_parallel_group_is_used():
     for result in run_on_ranks(_toy_without_parallel_state, 2, timeout=300):
         assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
         assert "over Megatron-FSDP data-parallel group (2 ranks)" in result["summary"][0]
+
+
+def test_decoupled_lr_reaches_the_embedding_and_output_groups(variants):
+    for result in variants:
+        lrs = result["lr_by_param"]
+        assert lrs["embedding.word_embeddings.weight"] == (5e-3, 5e-3)
+        assert lrs["output_layer.weight"] == (5e-3, 5e-3)
+        # As in megatron-core: the position embedding carries no embedding/output tag.
+        assert lrs["embedding.position_embeddings.weight"] == (gpt_parity.LR, gpt_parity.LR)
+        assert lrs["decoder.layers.0.self_attention.linear_qkv.weight"] == (
+            gpt_parity.LR,
+            gpt_parity.LR,
+        )
