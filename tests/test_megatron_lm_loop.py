@@ -167,6 +167,32 @@ def test_validate_args_is_stock_for_every_other_combination(
     assert got == expected
 
 
+@pytest.mark.parametrize(
+    ("flags", "error", "match"),
+    [
+        (_FSDP + "--optimizer muon --fp16", ValueError, "does not support --fp16"),
+        (
+            _FSDP + "--optimizer muon --global-batch-size 5 --micro-batch-size 2",
+            AssertionError,
+            "must be divisible by",
+        ),
+    ],
+    ids=["fp16-with-muon", "global-batch-not-divisible"],
+)
+def test_bad_muon_flags_get_clear_errors(
+    installed: Any, monkeypatch: pytest.MonkeyPatch, flags: str, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        installed.validate_args(_parsed(monkeypatch, _BASE + flags))
+
+
+def test_unknown_optimizer_is_rejected_by_the_parser(
+    installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(SystemExit):
+        _parsed(monkeypatch, _BASE + _FSDP + "--optimizer adamuon")
+
+
 def test_install_refuses_an_unchecked_megatron_core_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -16,7 +16,8 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied)
    torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
    ``args.optimizer == "muon"`` and ``args.use_megatron_fsdp``, the original runs with the
    optimizer reported as "adam" and the name is restored before the arguments are printed and
-   returned. In 0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two places, so
+   returned (``--fp16`` is refused there, as the factory does). In 0.19.2 ``validate_args``
+   reads ``args.optimizer`` only at those two places, so
    every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
@@ -162,6 +163,12 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
     def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
         if not muon_meets_megatron_fsdp(args):
             return validate_args(args, *rest, **kwargs)
+        if getattr(args, "fp16", False):
+            # Refused here, before any process group exists, rather than at optimizer build.
+            raise ValueError(
+                "--optimizer muon with --use-megatron-fsdp does not support --fp16 (as in "
+                "megatron-core): use --bf16 or fp32"
+            )
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
