@@ -141,41 +141,34 @@ def build_muon_optimizer(
         "optimizer": scalar_name
     }
     routing = [
-        RoutedParam(name, route(p, name), _is_expert(p, name), tuple(p.shape)) for name, p in named
+        RoutedParam(name, route(p, name), _is_expert(p), tuple(p.shape)) for name, p in named
     ]
     _check_muon_params(routing)
 
     param_groups = _get_param_groups(chunks, config, overrides)
     _set_initial_lr_and_weight_decay(param_groups, config)
-    by_target = _split_groups(param_groups, dict((id(p), n) for n, p in named), scalar_name)
+    by_target = _split_groups(param_groups, scalar_name)
 
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
     strategy = _strategy(fsdp_modules)
     for is_expert in (False, True):
         groups = by_target.get(("muon", is_expert))
-        if not groups:
-            continue
-        dp_group, dp_label = _dp_group(pg_collection, fsdp_modules, is_expert)
-        _check_group_matches_shards(groups, dp_group, dp_label)
-        muon = _MUON_OPTIMIZERS[config.optimizer](
-            groups,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            is_qkv_fn=_is_qkv,
-            qkv_split_shapes=qkv_split_shapes,
-            pg_collection=pg_collection,
-            dp_group=dp_group,
-            **muon_config.tensor_parallel_muon_kwargs(),
-            **fsdp_config.sharded_muon_kwargs(),
-        )
-        optimizers.append(_wrap(muon, config, _eopt_init_state_fn, pg_collection))
-        kind = "expert" if is_expert else "dense"
-        summary.append(
-            f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
-            f"({dist.get_world_size(dp_group)} ranks), strategy {strategy}, "
-            f"mode {fsdp_config.mode}, tp_mode {muon_config.tp_mode}"
-        )
+        if groups:
+            muon, line = _muon_optimizer(
+                config,
+                groups,
+                is_expert,
+                pg_collection,
+                fsdp_modules,
+                qkv_split_shapes,
+                fsdp_config,
+            )
+            optimizers.append(muon)
+            summary.append(
+                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
+                f"tp_mode {muon_config.tp_mode}"
+            )
     scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
     if scalar_groups:
         scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
@@ -284,7 +277,8 @@ def _attr(param: torch.Tensor, name: str, default: Any = None) -> Any:
     return value if value is not None else getattr(_orig(param), name, default)
 
 
-def _is_expert(param: torch.Tensor, name: str) -> bool:
+def _is_expert(param: torch.Tensor) -> bool:
+    """An expert-layer param (``expert_tp`` tag) or an expert-parallel one (``allreduce=False``)."""
     return bool(getattr(param, "expert_tp", False)) or not _attr(param, "allreduce", True)
 
 
@@ -373,9 +367,7 @@ def _routing_predicate(route: Callable[[torch.Tensor, str], str], scalar_name: s
     return ParamWithNamePredicate(name="megatron_muon_scalar_params", fn=to_scalar)
 
 
-def _split_groups(
-    param_groups: list[dict], names: dict[int, str], scalar_name: str
-) -> dict[tuple[str, bool], list[dict]]:
+def _split_groups(param_groups: list[dict], scalar_name: str) -> dict[tuple[str, bool], list[dict]]:
     """Param groups by (optimizer, is_expert); a group mixing experts and dense params is split."""
     by_target: dict[tuple[str, bool], list[dict]] = {}
     for group in param_groups:
@@ -387,7 +379,7 @@ def _split_groups(
             )
         parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         for param in group["params"]:
-            parts[_is_expert(param, names.get(id(param), ""))].append(param)
+            parts[_is_expert(param)].append(param)
         for is_expert, params in parts.items():
             # Empty groups are kept where _get_param_groups made them (rank-symmetric groups).
             if params or not any(parts.values()):
@@ -450,6 +442,37 @@ def _check_group_matches_shards(groups: list[dict], group: dist.ProcessGroup, la
 # --------------------------------------------------------------------------------------------------
 # sub-optimizers
 # --------------------------------------------------------------------------------------------------
+
+
+def _muon_optimizer(
+    config: OptimizerConfig,
+    groups: list[dict],
+    is_expert: bool,
+    pg_collection: ProcessGroupCollection | None,
+    fsdp_modules: list[Any],
+    qkv_split_shapes: list[int] | None,
+    fsdp_config: MuonFsdpConfig,
+) -> tuple[FP32Optimizer, str]:
+    """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
+    dp_group, dp_label = _dp_group(pg_collection, fsdp_modules, is_expert)
+    _check_group_matches_shards(groups, dp_group, dp_label)
+    muon = _MUON_OPTIMIZERS[config.optimizer](
+        groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        is_qkv_fn=_is_qkv,
+        qkv_split_shapes=qkv_split_shapes,
+        pg_collection=pg_collection,
+        dp_group=dp_group,
+        **MuonConfig.from_optimizer_config(config).tensor_parallel_muon_kwargs(),
+        **fsdp_config.sharded_muon_kwargs(),
+    )
+    kind = "expert" if is_expert else "dense"
+    line = (
+        f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
+        f"({dist.get_world_size(dp_group)} ranks)"
+    )
+    return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
 
 def _scalar_optimizer(
