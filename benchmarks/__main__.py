@@ -187,6 +187,12 @@ def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]
         "model": asdict(size),
         "dp": dp,
         "strategy": "optim_grads_params",
+        "optimizers": {
+            "muon": "megatron_muon.build_muon_optimizer: ShardedMuon (owner) for 2-D hidden "
+            "weights + AdamW for the rest, grad clipping 1.0",
+            "adamw": "megatron-core get_megatron_optimizer(optimizer='adam'): "
+            "DistributedOptimizer, grad clipping 1.0",
+        },
         "tokens_per_rank": size.tokens_per_rank(),
         "muon_step_s": muon["step_s"],
         "adamw_step_s": adamw["step_s"],

@@ -1,15 +1,19 @@
 """Full training-step benchmarks (run inside ranks): Muon vs AdamW on a Megatron-FSDP GPTModel.
 
 The model is a megatron-core ``GPTModel`` (local layer spec) wrapped with megatron-core's
-``FullyShardedDataParallel`` (Megatron-FSDP, ``optim_grads_params``). One training step is
-``zero_grad_buffer`` -> forward -> backward -> ``finish_grad_sync`` -> optimizer step -> install the
-updated weights into the compute weights (what megatron-core's DistributedOptimizer does for
-Megatron-FSDP); the *optimizer step* is the last two.
+``FullyShardedDataParallel`` (Megatron-FSDP, ``optim_grads_params``). The optimizers are what a
+Megatron user runs:
 
-Optimizers compared, on the same model and sharding:
-- ``muon``: ``ShardedMuon`` (owner mode) for the 2-D hidden weights (Megatron's routing: every 2-D
-  param that is not an embedding or output layer) + ``torch.optim.AdamW`` for the rest;
-- ``adamw``: ``torch.optim.AdamW`` for every param.
+- ``muon``: ``megatron_muon.build_muon_optimizer`` (``ShardedMuon`` in owner mode for the 2-D hidden
+  weights, AdamW for the rest, one grad norm and clipping over both, weights installed after the
+  step);
+- ``adamw``: megatron-core's ``get_megatron_optimizer`` with ``optimizer="adam"`` (its
+  ``DistributedOptimizer`` over the Megatron-FSDP params).
+
+Each kind trains its own copy of the model (same seed, same weights, same batch). One training
+step is ``zero_grad_buffer`` -> forward -> backward -> ``finish_grad_sync`` (what Megatron-LM's
+``finalize_model_grads`` does) -> ``optimizer.step()`` (grad norm, clipping, the update, the
+install of the new weights into the compute weights); the *optimizer step* is the last of these.
 """
 
 from __future__ import annotations
@@ -20,11 +24,10 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
-from benchmarks.optimizer_step import MUON_KWARGS
 
 __all__ = ["GPTSize", "muon_vs_adamw_step", "training_step_memory"]
 
-_ADAMW_KWARGS = dict(lr=3e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+KINDS = ("muon", "adamw")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +46,31 @@ class GPTSize:
         return self.seq_length * self.micro_batch
 
 
-class _Trainer:
-    """A wrapped GPTModel, its batch, and the optimizers to compare on it."""
+def _optimizer_config(kind: str, device: str):
+    """megatron-core ``OptimizerConfig``: Megatron's defaults (Muon's included), clip 1.0."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    def __init__(self, size: GPTSize, world_size: int, device: str) -> None:
+    common = dict(
+        lr=3e-4,
+        min_lr=3e-4,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        bf16=device == "cuda",
+    )
+    if kind == "muon":
+        return OptimizerConfig(optimizer="muon", **common)
+    if kind == "adamw":
+        return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common)
+    raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+
+
+class _Trainer:
+    """A wrapped GPTModel, its batch, and one optimizer kind on it."""
+
+    def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
         from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallelConfig,
@@ -54,8 +78,11 @@ class _Trainer:
         )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import TransformerConfig
+
+        from megatron_muon import build_muon_optimizer
 
         self.device = device
         if not parallel_state.model_parallel_is_initialized():
@@ -87,8 +114,15 @@ class _Trainer:
         self.wrapped = FullyShardedDataParallel(
             config, ddp_config, model, device=torch.device(device)
         )
-        # The optimizer params: the Shard(0) DTensors, taken right after wrapping.
-        self.named_params = list(self.wrapped.named_parameters())
+        # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
+        optimizer_config = _optimizer_config(kind, device)
+        if kind == "muon":
+            # The loop below calls finish_grad_sync itself, as Megatron-LM's loop does.
+            self.optimizer = build_muon_optimizer(
+                optimizer_config, [self.wrapped], grads_already_synced=True
+            )
+        else:
+            self.optimizer = get_megatron_optimizer(optimizer_config, [self.wrapped])
         generator = torch.Generator().manual_seed(100 + dist.get_rank())
         shape = (size.micro_batch, size.seq_length)
         self.tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
@@ -97,35 +131,20 @@ class _Trainer:
         # Megatron's convention: True = masked out (causal: keys after the query).
         ones = torch.ones(size.seq_length, size.seq_length, dtype=torch.bool, device=device)
         self.causal_mask = torch.triu(ones, diagonal=1)[None, None]
-        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
-    def muon_params(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(Muon params, AdamW params) by Megatron's routing rule."""
-        muon, rest = [], []
-        for name, p in self.named_params:
-            is_embedding = getattr(p, "is_embedding_or_output_parameter", False) or (
-                "embedding" in name or "output_layer" in name
-            )
-            (muon if p.ndim == 2 and not is_embedding else rest).append(p)
-        return muon, rest
-
-    def optimizers(self, kind: str) -> list[torch.optim.Optimizer]:
+    def muon_ns_flops(self) -> int:
+        """NS FLOPs of this rank's last step, summed over the factory's ShardedMuon optimizers."""
         from megatron_muon import ShardedMuon
 
-        if kind == "adamw":
-            return [torch.optim.AdamW([p for _, p in self.named_params], **_ADAMW_KWARGS)]
-        if kind == "muon":
-            muon, rest = self.muon_params()
-            return [
-                ShardedMuon(muon, dp_group=self.dp_group, mode="owner", **MUON_KWARGS),
-                torch.optim.AdamW(rest, **_ADAMW_KWARGS),
-            ]
-        raise ValueError(f"unknown optimizer kind {kind!r}; expected 'muon' or 'adamw'")
+        return sum(
+            child.optimizer.step_stats.ns_flops
+            for child in self.optimizer.chained_optimizers
+            if isinstance(child.optimizer, ShardedMuon)
+        )
 
-    def forward_backward(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def forward_backward(self) -> None:
         self.wrapped.zero_grad_buffer()
-        for optimizer in optimizers:
-            optimizer.zero_grad()
+        self.optimizer.zero_grad()
         loss = self.wrapped(
             input_ids=self.tokens,
             position_ids=self.positions,
@@ -135,15 +154,15 @@ class _Trainer:
         loss.float().mean().backward()
         self.wrapped.finish_grad_sync()
 
-    def optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            optimizer.step()
-        self.wrapped.module.install_optimized_model_weights()
+    def optimizer_step(self) -> None:
+        update_successful, _, _ = self.optimizer.step()
+        if not update_successful:
+            raise RuntimeError("the optimizer step was skipped (non-finite grads?)")
 
-    def timed_step(self, optimizers: list[torch.optim.Optimizer]) -> tuple[float, float]:
+    def timed_step(self) -> tuple[float, float]:
         """(whole step seconds, optimizer-step seconds), each between barriers."""
-        whole = timed(lambda: self.forward_backward(optimizers), self.device)
-        optimizer = timed(lambda: self.optimizer_step(optimizers), self.device)
+        whole = timed(self.forward_backward, self.device)
+        optimizer = timed(self.optimizer_step, self.device)
         return whole + optimizer, optimizer
 
 
@@ -151,25 +170,22 @@ def muon_vs_adamw_step(
     rank: int, world_size: int, device: str, size: GPTSize, warmup: int, repeats: int
 ) -> dict:
     """Median whole-step and optimizer-step seconds of Muon and AdamW, alternating step by step."""
-    trainer = _Trainer(size, world_size, device)
-    kinds = {kind: trainer.optimizers(kind) for kind in ("muon", "adamw")}
+    trainers = {kind: _Trainer(size, world_size, device, kind) for kind in KINDS}
     for _ in range(warmup):
-        for optimizers in kinds.values():
-            trainer.timed_step(optimizers)
-    samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
-    names = list(kinds)
+        for trainer in trainers.values():
+            trainer.timed_step()
+    samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in KINDS}
     for round_index in range(repeats):
-        shift = round_index % len(names)
-        for kind in names[shift:] + names[:shift]:
-            samples[kind].append(trainer.timed_step(kinds[kind]))
-    muon_stats = kinds["muon"][0].step_stats
+        shift = round_index % len(KINDS)
+        for kind in KINDS[shift:] + KINDS[:shift]:
+            samples[kind].append(trainers[kind].timed_step())
     return {
         kind: {
             "step_s": median([whole for whole, _ in values]),
             "optimizer_s": median([opt for _, opt in values]),
         }
         for kind, values in samples.items()
-    } | {"muon_ns_flops": muon_stats.ns_flops, "muon_bytes_sent": muon_stats.bytes_sent}
+    } | {"muon_ns_flops": trainers["muon"].muon_ns_flops()}
 
 
 def _load_step_kernels(device: str) -> None:
@@ -180,8 +196,8 @@ def _load_step_kernels(device: str) -> None:
     matrix = torch.nn.Parameter(torch.randn(64, 128, device=device))
     vector = torch.nn.Parameter(torch.randn(64, device=device))
     matrix.grad, vector.grad = torch.randn_like(matrix), torch.randn_like(vector)
-    ShardedMuon([matrix], **MUON_KWARGS).step()
-    torch.optim.AdamW([vector], **_ADAMW_KWARGS).step()
+    ShardedMuon([matrix], fp32_matmul_prec="medium").step()
+    torch.optim.AdamW([vector]).step()
 
 
 def training_step_memory(rank: int, world_size: int, device: str, size: GPTSize, kind: str) -> dict:
@@ -195,12 +211,11 @@ def training_step_memory(rank: int, world_size: int, device: str, size: GPTSize,
     _load_step_kernels(device)
     probe = MemoryProbe(device)
     before_model = probe.current()
-    trainer = _Trainer(size, world_size, device)
-    optimizers = trainer.optimizers(kind)
-    trainer.timed_step(optimizers)  # creates AdamW's lazy state
+    trainer = _Trainer(size, world_size, device, kind)
+    trainer.timed_step()  # a first step, as in training: every buffer exists
     dist.barrier()
     probe.start()
-    trainer.timed_step(optimizers)
+    trainer.timed_step()
     return {
         "before_model": before_model,
         "before_step": probe.baseline,
