@@ -17,7 +17,9 @@ from tests.torchrun import REPO, run_megatron
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_pretrain_entry_point_trains_on_embedded_text_and_writes_its_log(tmp_path: Path) -> None:
+def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes(
+    tmp_path: Path,
+) -> None:
     pytest.importorskip("matplotlib")
     log_json, plot = tmp_path / "run.json", tmp_path / "loss.png"
     flags = [
@@ -29,9 +31,14 @@ def test_pretrain_entry_point_trains_on_embedded_text_and_writes_its_log(tmp_pat
         *("--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8").split(),
         *("--train-iters 12 --lr 0.01 --lr-decay-style constant --log-interval 1").split(),
         *("--eval-interval 6 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split(),
-        *("--log-json", str(log_json), "--plot", str(plot)),
     ]
-    run = run_megatron(flags, nproc=2, entry=["-m", "megatron_muon.pretrain"])
+    checkpoints = tmp_path / "checkpoints"
+    run = run_megatron(
+        [*flags, *("--log-json", str(log_json), "--plot", str(plot))]
+        + ["--save", str(checkpoints), "--save-interval", "6"],
+        nproc=2,
+        entry=["-m", "megatron_muon.pretrain"],
+    )
     progress = [
         line
         for text in run.rank_outputs.values()
@@ -49,6 +56,18 @@ def test_pretrain_entry_point_trains_on_embedded_text_and_writes_its_log(tmp_pat
     assert all(0.0 < record["optimizer_share"] < 1.0 for record in log["train"])
     assert plot.stat().st_size > 0
     print(f"\npretrain entry: train loss {losses}, valid {log['valid']} ({run.wall_s:.1f} s)")
+
+    # Save at iteration 6, resume: iterations 7-12 give the uninterrupted run's losses exactly.
+    resumed_json = tmp_path / "resumed.json"
+    run_megatron(
+        [*flags, "--log-json", str(resumed_json)]
+        + ["--load", str(checkpoints), "--ckpt-step", "6", "--no-load-rng"],
+        nproc=2,
+        entry=["-m", "megatron_muon.pretrain"],
+    )
+    resumed = json.loads(resumed_json.read_text())["train"]
+    assert [record["iteration"] for record in resumed] == list(range(7, 13))
+    assert [record["train_loss"] for record in resumed] == losses[6:]
 
 
 def test_config_flags_turn_yaml_sections_into_megatron_flags(tmp_path: Path) -> None:
