@@ -508,9 +508,9 @@ def test_plain_uneven_dtensors_without_fsdp_slices_reshard_through_gathered_chun
 # --------------------------------------------------------------------------------------------------
 
 
-def _try_load(rank, world_size, path, hidden=48, save_all_adam_to=None) -> dict:
-    """Builds Muon+AdamW on ToyMLP(hidden) and tries to load ``path``; reports the error and
-    whether params and optimizer state are untouched. With ``save_all_adam_to``, first saves a
+def _try_loads(rank, world_size, paths, hidden=48, save_all_adam_to=None) -> list[dict]:
+    """Builds Muon+AdamW on ToyMLP(hidden) and tries to load each of ``paths``; reports each error
+    and whether params and optimizer state are untouched. With ``save_all_adam_to``, first saves a
     checkpoint whose matrices are trained by AdamW (the "Adam state into Muon" case)."""
     from megatron_muon.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -521,81 +521,78 @@ def _try_load(rank, world_size, path, hidden=48, save_all_adam_to=None) -> dict:
     wrapped, optimizers, scheduler = _build(world_size, "optim", seed=5, hidden=hidden)
     _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
     before = _local_snapshot(wrapped, optimizers)
-    try:
-        load_checkpoint(path, wrapped, optimizers, scheduler)
-    except CheckpointError as error:
-        after = _local_snapshot(wrapped, optimizers)
-        unchanged = True
+    results = []
+    for path in paths:
         try:
-            _assert_bitwise_equal(before, after, "after a failed load")
+            load_checkpoint(path, wrapped, optimizers, scheduler)
+            results.append({"type": None, "message": "", "unchanged": None})
+            continue
+        except CheckpointError as error:
+            result = {"type": type(error).__name__, "message": str(error), "unchanged": True}
+        try:
+            _assert_bitwise_equal(before, _local_snapshot(wrapped, optimizers), "after a failure")
         except AssertionError:
-            unchanged = False
-        return {"type": type(error).__name__, "message": str(error), "unchanged": unchanged}
-    return {"type": None, "message": "", "unchanged": None}
+            result["unchanged"] = False
+        results.append(result)
+    return results
 
 
-def _assert_load_fails(path, kind: str, *phrases: str, **kwargs) -> None:
-    results = run_on_ranks(_try_load, 2, path, **kwargs)
-    for rank, result in enumerate(results):
-        assert result["type"] == kind, (rank, result)
-        for phrase in phrases:
-            assert phrase in result["message"], (rank, phrase, result["message"])
-        assert result["unchanged"], f"rank {rank}: state changed by a failed load"
+def _assert_loads_fail(cases: list[tuple[str, str, tuple[str, ...]]], **kwargs) -> None:
+    """``cases``: (path, error class name, phrases its message must hold); one launch for all."""
+    per_rank = run_on_ranks(_try_loads, 2, [path for path, _, _ in cases], **kwargs)
+    for rank, results in enumerate(per_rank):
+        for (path, kind, phrases), result in zip(cases, results, strict=True):
+            assert result["type"] == kind, (rank, path, result)
+            for phrase in phrases:
+                assert phrase in result["message"], (rank, phrase, result["message"])
+            assert result["unchanged"], f"rank {rank}: state changed by a failed load of {path}"
 
 
-@pytest.fixture
-def copied_checkpoint(dp2_checkpoint, tmp_path):
+def test_missing_or_incomplete_checkpoints_are_refused_naming_what_is_wrong(
+    dp2_checkpoint, tmp_path
+):
     import shutil
 
-    path = str(tmp_path / "copy")
-    shutil.copytree(dp2_checkpoint[0], path)
-    return path
-
-
-def test_loading_a_missing_directory_names_it(tmp_path):
-    path = str(tmp_path / "never_saved")
-    _assert_load_fails(path, "CheckpointNotFoundError", path, "does not exist")
-
-
-def test_a_checkpoint_without_completion_marker_is_incomplete(copied_checkpoint):
     from megatron_muon.checkpointing import MARKER_NAME
 
-    os.remove(os.path.join(copied_checkpoint, MARKER_NAME))
-    _assert_load_fails(copied_checkpoint, "IncompleteCheckpointError", "no completion marker")
-
-
-def test_a_checkpoint_missing_a_rank_file_is_incomplete(copied_checkpoint):
-    os.remove(os.path.join(copied_checkpoint, "__1_0.distcp"))
-    _assert_load_fails(
-        copied_checkpoint, "IncompleteCheckpointError", "__1_0.distcp (rank 1's shards) is missing"
+    copies = {}
+    for case in ("no_marker", "no_rank_file", "truncated"):
+        copies[case] = str(tmp_path / case)
+        shutil.copytree(dp2_checkpoint[0], copies[case])
+    os.remove(os.path.join(copies["no_marker"], MARKER_NAME))
+    os.remove(os.path.join(copies["no_rank_file"], "__1_0.distcp"))
+    truncated = os.path.join(copies["truncated"], "__0_0.distcp")
+    os.truncate(truncated, os.path.getsize(truncated) // 2)
+    missing = str(tmp_path / "never_saved")
+    _assert_loads_fail(
+        [
+            (missing, "CheckpointNotFoundError", (missing, "does not exist")),
+            (copies["no_marker"], "IncompleteCheckpointError", ("no completion marker",)),
+            (
+                copies["no_rank_file"],
+                "IncompleteCheckpointError",
+                ("__1_0.distcp (rank 1's shards) is missing",),
+            ),
+            (copies["truncated"], "IncompleteCheckpointError", ("__0_0.distcp has",)),
+        ]
     )
-
-
-def test_a_truncated_rank_file_is_incomplete(copied_checkpoint):
-    file = os.path.join(copied_checkpoint, "__0_0.distcp")
-    os.truncate(file, os.path.getsize(file) // 2)
-    _assert_load_fails(copied_checkpoint, "IncompleteCheckpointError", "__0_0.distcp has")
 
 
 def test_a_different_model_shape_is_named(dp2_checkpoint):
-    _assert_load_fails(
-        dp2_checkpoint[0],
-        "CheckpointMismatchError",
+    phrases = (
         "param fc1.weight: shape (48, 16) in the checkpoint, (40, 16) in this model",
         "param fc2.weight: shape (16, 48) in the checkpoint, (16, 40) in this model",
-        hidden=40,
     )
+    _assert_loads_fail([(dp2_checkpoint[0], "CheckpointMismatchError", phrases)], hidden=40)
 
 
 def test_adam_state_into_muon_is_named(tmp_path):
     path = str(tmp_path / "adam_only")
-    _assert_load_fails(
-        path,
-        "CheckpointMismatchError",
+    phrase = (
         "param fc1.weight: the checkpoint holds AdamW state ['step', 'exp_avg', 'exp_avg_sq'], "
-        "this run's optimizer for it is ShardedMuon with state ['momentum_buffer']",
-        save_all_adam_to=path,
+        "this run's optimizer for it is ShardedMuon with state ['momentum_buffer']"
     )
+    _assert_loads_fail([(path, "CheckpointMismatchError", (phrase,))], save_all_adam_to=path)
 
 
 def _interrupted_save(rank, world_size, path) -> dict:
@@ -623,9 +620,11 @@ def test_an_interrupted_save_never_loads_as_valid(tmp_path):
     results = run_on_ranks(_interrupted_save, 2, path)
     assert all("simulated crash" in r["save_error"] for r in results), results
     assert not os.path.exists(path) and os.path.isdir(path + INCOMPLETE_SUFFIX)
-    _assert_load_fails(path, "CheckpointNotFoundError", "a save that did not finish")
-    _assert_load_fails(
-        path + INCOMPLETE_SUFFIX, "IncompleteCheckpointError", "no completion marker"
+    _assert_loads_fail(
+        [
+            (path, "CheckpointNotFoundError", ("a save that did not finish",)),
+            (path + INCOMPLETE_SUFFIX, "IncompleteCheckpointError", ("no completion marker",)),
+        ]
     )
 
 
