@@ -85,7 +85,8 @@ def global_grad_norm(
         tp_group, expert_tp_group: tensor-parallel groups for duplicate filtering (None: TP=1).
     """
     group_size = dist.get_world_size(grad_stats_group)
-    total = torch.zeros(1, dtype=torch.float64)
+    # Accumulated on the grads' device (one host sync at the end), in float64.
+    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
     for param in params:
         pair = _local_grad(param)
         if pair is None or not _counted(param, tp_group, expert_tp_group):
@@ -93,10 +94,9 @@ def global_grad_norm(
         grad, local = pair
         if local.numel() == 0:
             continue
-        squares = local.detach().float().square().sum().double().cpu()
+        squares = torch.sum(local.detach().float().square(), dtype=torch.float64)
         total += squares / _replication(grad, group_size)
     if group_size > 1:
-        total = total.to(_reduction_device(params))
         dist.all_reduce(total, group=grad_stats_group)
     return math.sqrt(float(total.item()))
 
@@ -110,22 +110,21 @@ def global_num_zeros(
 ) -> float:
     """Zero elements in the full gradient of ``params``, each element counted once. Collective."""
     group_size = dist.get_world_size(grad_stats_group)
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
     for param in params:
         pair = _local_grad(param)
         if pair is None or not _counted(param, tp_group, expert_tp_group):
             continue
         grad, local = pair
-        zeros = local.numel() - int(torch.count_nonzero(local))
-        total += zeros / _replication(grad, group_size)
+        zeros = local.numel() - torch.count_nonzero(local)
+        total += zeros.double() / _replication(grad, group_size)
     if group_size > 1:
-        total = total.to(_reduction_device(params))
         dist.all_reduce(total, group=grad_stats_group)
     return float(round(total.item()))
 
 
 def _reduction_device(params: Sequence[torch.Tensor]) -> torch.device:
-    """NCCL reduces device tensors only: use the params' device (CPU under gloo)."""
+    """The params' device (NCCL reduces device tensors only; CPU under gloo)."""
     for param in params:
         return param.device
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
