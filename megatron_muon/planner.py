@@ -14,8 +14,9 @@ same matrices) computes the identical plan without communicating.
 Executing a split plan (``ShardedMuon``): for matrix ``m`` with ``split_size(m) == g > 1``, rank
 ``members(m)[j]`` holds block ``j`` (``split_bounds``) along ``split_dim_of_pieces(pieces)``, and
 the block's ranks call ``split_scaled_orthogonalize`` on each piece with the process group of that
-aligned block (one group per block, created once per block size used); every rank runs its split
-matrices in matrix order.
+aligned block; every rank runs its split matrices in matrix order. Create the block groups in one
+global order, largest blocks first: with ``use_local_synchronization=True`` (gloo), a 2-rank block
+created before the 4-rank block containing it deadlocks.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def plan_split_owners(
     tolerance: float = 1.05,
     slack: float = 0.01,
     min_split_cost: int = 10**11,
-    flops_per_byte: float = 1000.0,
+    flops_per_byte: float = 0.0,
     element_bytes: int = 2,
     num_targets: int = 6,
 ) -> OwnerPlan:
@@ -155,8 +156,8 @@ def plan_split_owners(
         flops_per_byte: what one byte of split-NS traffic costs in NS FLOPs (e.g. NS throughput
             over link bandwidth, ~1e3 over NVLink, ~1e4 over InfiniBand): each split member's
             load counts its share of FLOPs plus this times ``split_ns_bytes``, so splits whose
-            traffic outweighs their balance gain are not taken. 0: balance FLOPs only. The
-            default, 1e3, is NVLink-class (bf16 NS at ~600 TFLOP/s over ~500 GB/s).
+            traffic outweighs their balance gain are not taken. 0 (default): balance FLOPs only.
+            1e3 is NVLink-class (bf16 NS at ~600 TFLOP/s over ~500 GB/s).
             ``loads`` of the plan are FLOPs either way.
         element_bytes: bytes per element of split-NS traffic (2: bf16 under "medium" precision).
         num_targets: target loads tried per granularity (planning time grows linearly with it).

@@ -45,8 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--flops-per-byte",
         type=float,
-        default=1000.0,
-        help="price of one byte of split-NS traffic in NS FLOPs when planning (0: FLOPs only)",
+        default=0.0,
+        help="price of one byte of split-NS traffic in NS FLOPs when planning (0, ShardedMuon's "
+        "default: FLOPs only; ~1e3 NVLink-class)",
     )
     parser.add_argument(
         "--bucket-mb",

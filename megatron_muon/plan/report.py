@@ -92,7 +92,7 @@ def analyze(
     ns_bytes: int = 2,
     max_split: int = 16,
     bucket_bytes: int | None = None,
-    flops_per_byte: float = 1000.0,
+    flops_per_byte: float = 0.0,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> PlanReport:
     """Builds the Muon matrices, their FSDP layout, and every strategy's figures."""

@@ -69,7 +69,7 @@ class GroupInput:
     ns_bytes: int = 2
     max_split: int = 16
     bucket_bytes: int | None = None
-    flops_per_byte: float = 1000.0
+    flops_per_byte: float = 0.0
     min_split_cost: int = 10**11
 
     def buckets(self) -> list[list[int]]:
