@@ -117,7 +117,8 @@ class CheckpointMismatchError(CheckpointError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SavedCheckpoint:
-    """What ``save_checkpoint`` wrote: the directory, its total bytes, and wall seconds."""
+    """What ``save_checkpoint`` wrote: the directory, its total bytes (on rank 0; 0 elsewhere), and
+    this rank's wall seconds."""
 
     path: str
     num_bytes: int
@@ -777,7 +778,8 @@ def save_checkpoint(
         overwrite: replace an existing checkpoint at ``path`` (after the new one is complete).
 
     Returns:
-        The directory, its size in bytes and the seconds the save took.
+        The directory, its size in bytes (counted on rank 0, 0 on the others) and the seconds the
+        save took on this rank.
     """
     start = time.perf_counter()
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
