@@ -345,17 +345,26 @@ def orthogonalize_batch(matrices: Sequence[torch.Tensor], config: NSConfig) -> l
     if len(matrices) == 1:
         return [scaled_orthogonalize(matrices[0], config)]
     stacked = torch.stack(list(matrices))
-    orthogonal = orthogonalize(stacked, config)
-    # Two multiplications, in TensorParallelMuon's order, so results match it bitwise.
-    orthogonal = orthogonal * config.shape_scale(rows, cols) * config.extra_scale_factor
+    orthogonal = _scale_inplace(orthogonalize(stacked, config), rows, cols, config)
     return list(orthogonal.unbind(0))
 
 
 def scaled_orthogonalize(matrix: torch.Tensor, config: NSConfig) -> torch.Tensor:
     """``NS(matrix) * scale`` for a 2-D ``(M, N)`` or 3-D ``(B, M, N)`` fp32 tensor."""
     rows, cols = matrix.shape[-2], matrix.shape[-1]
-    orthogonal = orthogonalize(matrix, config)
-    return orthogonal * config.shape_scale(rows, cols) * config.extra_scale_factor
+    return _scale_inplace(orthogonalize(matrix, config), rows, cols, config)
+
+
+def _scale_inplace(
+    orthogonal: torch.Tensor, rows: int, cols: int, config: NSConfig
+) -> torch.Tensor:
+    """Muon's scale, applied in place to NS's fresh output: two multiplications in
+    ``TensorParallelMuon``'s order (``x * scale * extra``), so results match it bitwise, without
+    allocating two more matrices."""
+    orthogonal.mul_(config.shape_scale(rows, cols))
+    if config.extra_scale_factor != 1.0:
+        orthogonal.mul_(config.extra_scale_factor)
+    return orthogonal
 
 
 def _addmm(

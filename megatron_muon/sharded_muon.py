@@ -672,10 +672,15 @@ class ShardedMuon(TensorParallelMuon):
     def _split_groups(self, plan: OwnerPlan) -> dict[tuple[int, int], dist.ProcessGroup]:
         """A process group per split block this rank belongs to, keyed ``(first rank, size)``.
 
-        Created in the same (sorted) order on every member, with local synchronization so ranks
-        outside a block (and other data-parallel groups) need not take part.
+        Created in one global order on every member, with local synchronization so ranks outside
+        a block (and other data-parallel groups) need not take part.
         """
-        blocks = sorted({(plan.owners[m], plan.split_size(m)) for m in plan.split_matrices()})
+        # One global creation order (largest blocks first) on every rank: with local
+        # synchronization, creating a block before a larger block containing it deadlocks gloo.
+        blocks = sorted(
+            {(plan.owners[m], plan.split_size(m)) for m in plan.split_matrices()},
+            key=lambda block: (-block[1], block[0]),
+        )
         if not blocks:
             return {}
         my_rank = dist.get_rank(self.dp_group)
