@@ -163,6 +163,58 @@ class OwnerExchange:
                         if holder == rank:
                             self.back_recv.blocks[w.rank].append(block)
                             self.back_recv.sizes[w.rank] += numel
+        # Blocks a rank would send to itself do not go through the all_to_all: they are copied
+        # locally, or, where one such block is a whole work block (or all of this rank's rows of a
+        # result), used in place with no copy at all.
+        self._self_in = self._take_self_blocks(self.to_owner_send, self.to_owner_recv)
+        self._self_back = self._take_self_blocks(self.back_send, self.back_recv)
+        self._direct_in = self._direct_work_keys()
+        self._direct_back = self._direct_result_matrices()
+
+    def _take_self_blocks(self, send: _Splits, recv: _Splits) -> list[_Block]:
+        blocks = send.blocks[self.rank]
+        assert blocks == recv.blocks[self.rank]
+        send.blocks[self.rank], recv.blocks[self.rank] = [], []
+        send.sizes[self.rank] = recv.sizes[self.rank] = 0
+        return blocks
+
+    def _direct_work_keys(self) -> dict[tuple[int, int], _Block]:
+        """Work blocks filled by exactly one local block spanning them: used as views."""
+        remote = {(b.matrix, b.work) for peer in self.to_owner_recv.blocks for b in peer}
+        count: dict[tuple[int, int], list[_Block]] = {}
+        for block in self._self_in:
+            count.setdefault((block.matrix, block.work), []).append(block)
+        direct = {}
+        for key, blocks in count.items():
+            w = self.work[key[0]][key[1]]
+            b = blocks[0]
+            if (
+                key not in remote
+                and len(blocks) == 1
+                and (b.start, b.stop)
+                == (
+                    w.row_start,
+                    w.row_stop,
+                )
+            ):
+                direct[key] = b
+        return direct
+
+    def _direct_result_matrices(self) -> dict[int, _Block]:
+        """Matrices whose result rows this rank computed itself in one block: used as views."""
+        remote = {b.matrix for peer in self.back_recv.blocks for b in peer}
+        count: dict[int, list[_Block]] = {}
+        for block in self._self_back:
+            count.setdefault(block.matrix, []).append(block)
+        direct = {}
+        for m, blocks in count.items():
+            b = blocks[0]
+            start, stop = self.layouts[m].ranges[self.rank]
+            full_cols = (b.col_start, b.col_stop) == (0, self.layouts[m].row_shape[0])
+            if m not in remote and len(blocks) == 1 and (b.start, b.stop) == (start, stop):
+                if full_cols:
+                    direct[m] = b
+        return direct
 
     def _numel(self, block: _Block) -> int:
         row_shape = self.layouts[block.matrix].row_shape
@@ -202,22 +254,28 @@ class OwnerExchange:
         self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
     ) -> PendingExchange:
         """Starts ``gather_to_owners`` asynchronously; ``finish`` returns its result."""
-        full = {
-            key: torch.empty(self._work_shape(*key), dtype=torch.float32, device=self.device)
-            for key in self.owned()
-        }
 
         def read(block: _Block) -> torch.Tensor:
             start = self.layouts[block.matrix].ranges[self.rank][0]
             rows = local_rows[block.matrix][block.start - start : block.stop - start]
             return rows[:, block.col_start : block.col_stop]
 
+        full = {
+            key: (
+                read(self._direct_in[key]).float()
+                if key in self._direct_in
+                else torch.empty(self._work_shape(*key), dtype=torch.float32, device=self.device)
+            )
+            for key in self.owned()
+        }
+
         def write(block: _Block, data: torch.Tensor) -> None:
             w = self.work[block.matrix][block.work]
             target = full[(block.matrix, block.work)]
             target[block.start - w.row_start : block.stop - w.row_start].copy_(data)
 
-        return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats)
+        local = [b for b in self._self_in if (b.matrix, b.work) not in self._direct_in]
+        return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats, local)
 
     def scatter_from_owners(
         self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
@@ -236,14 +294,6 @@ class OwnerExchange:
         self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
     ) -> PendingExchange:
         """Starts ``scatter_from_owners`` asynchronously; ``finish`` returns its result."""
-        mine = [
-            torch.empty(
-                (layout.rows_of(self.rank), *layout.row_shape),
-                dtype=torch.float32,
-                device=self.device,
-            )
-            for layout in self.layouts
-        ]
 
         def read(block: _Block) -> torch.Tensor:
             w = self.work[block.matrix][block.work]
@@ -251,15 +301,30 @@ class OwnerExchange:
                 block.start - w.row_start : block.stop - w.row_start
             ]
 
+        mine = [
+            read(self._direct_back[m])
+            if m in self._direct_back
+            else torch.empty(
+                (layout.rows_of(self.rank), *layout.row_shape),
+                dtype=torch.float32,
+                device=self.device,
+            )
+            for m, layout in enumerate(self.layouts)
+        ]
+
         def write(block: _Block, data: torch.Tensor) -> None:
             start = self.layouts[block.matrix].ranges[self.rank][0]
             rows = mine[block.matrix][block.start - start : block.stop - start]
             rows[:, block.col_start : block.col_stop].copy_(data)
 
-        return self._start(self.back_send, self.back_recv, read, write, mine, stats)
+        local = [b for b in self._self_back if b.matrix not in self._direct_back]
+        return self._start(self.back_send, self.back_recv, read, write, mine, stats, local)
 
-    def _start(self, send: _Splits, recv: _Splits, read, write, output, stats) -> PendingExchange:
-        """Packs the send buffer and launches the all_to_all without waiting for it."""
+    def _start(
+        self, send: _Splits, recv: _Splits, read, write, output, stats, local: list[_Block]
+    ) -> PendingExchange:
+        """Packs the send buffer, launches the all_to_all without waiting for it, then copies
+        the blocks this rank keeps (``local``) while the collective runs."""
         pieces = [read(b).reshape(-1).float() for peer in send.blocks for b in peer]
         send_buffer = (
             torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
@@ -268,9 +333,11 @@ class OwnerExchange:
         work = dist.all_to_all_single(
             recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group, async_op=True
         )
+        for block in local:
+            write(block, read(block))
         stats.num_collectives += 1
-        stats.bytes_sent += 4 * (sum(send.sizes) - send.sizes[self.rank])
-        stats.bytes_received += 4 * (sum(recv.sizes) - recv.sizes[self.rank])
+        stats.bytes_sent += 4 * sum(send.sizes)
+        stats.bytes_received += 4 * sum(recv.sizes)
         return PendingExchange(work, send_buffer, recv_buffer, recv, write, output)
 
     def finish(self, pending: PendingExchange) -> Any:
