@@ -11,8 +11,8 @@ Memory, two probes:
   resident (below its dynamic mmap threshold, up to 32 MiB), which would hide transients, so
   ``return_freed_memory_to_os`` makes every allocation of 64 KiB or more its own mapping, returned
   when freed; it is called only in processes that measure RSS, never before timing.
-- ``tensor_memory_peak``: peak bytes of live CPU tensors during one call (the profiler's memory
-  timeline): exact, and free of what RSS also holds (library code, kernel JIT caches).
+- ``tensor_memory_peak``: peak bytes of live CPU tensors during one call (the profiler's
+  allocation records): exact, and free of what RSS also holds (library code, kernel JIT caches).
 """
 
 from __future__ import annotations
@@ -112,32 +112,29 @@ class MemoryProbe:
 def tensor_memory_peak(fn: Callable[[], object], device: str) -> int:
     """Peak bytes of live CPU tensors during ``fn``, above those alive when it starts.
 
-    From the PyTorch profiler's memory timeline: every tensor allocation and free is recorded,
-    so the figure is exact and independent of the allocator and of the OS (unlike RSS, which also
-    holds library code and freed-but-kept heap). Costs a profiled run of ``fn``.
+    Replays the profiler's allocation records (every tensor allocation and free, time-stamped)
+    and takes the highest running total: exact, and independent of the allocator and of the OS
+    (unlike RSS, which also holds library code and freed-but-kept heap). The records are read from
+    ``prof.profiler.kineto_results``: the profiler's public memory timeline
+    (``export_memory_timeline``) rebuilds a data-flow graph first, whose validation fails
+    intermittently on these steps ("duplicate outputs: aten::to").
     """
-    import json
-    import tempfile
-    import warnings
-
     from torch.profiler import ProfilerActivity, profile
 
     if device != "cpu":
         raise ValueError(f"tensor_memory_peak is for CPU tensors; on {device} use MemoryProbe")
-    with profile(
-        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
-    ) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
-        # Deprecated in favour of torch.cuda.memory's snapshots, which see CUDA memory only.
-        warnings.filterwarnings("ignore", ".*export_memory_timeline.*", FutureWarning)
-        path = f"{directory}/timeline.json"
-        prof.export_memory_timeline(path, device="cpu")
-        with open(path) as f:
-            _, sizes = json.load(f)
-    totals = [sum(categories) for categories in sizes]
-    # The timeline opens with the tensors that existed before ``fn`` (params, state).
-    return max(totals) - totals[0] if totals else 0
+    records = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
+    total = peak = 0
+    for _, nbytes in records:
+        total += nbytes
+        peak = max(peak, total)
+    return peak
 
 
 def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
