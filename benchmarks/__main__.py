@@ -218,7 +218,7 @@ def exchange_transient_section(optimizer_step: dict, device: str) -> dict:
     """Section 4b: a step's peak memory above its start, owner vs gather (from section 1's runs)."""
     by_model: dict[str, dict] = {}
     section = {
-        "measure": "live tensor bytes (profiler memory timeline)"
+        "measure": "live tensor bytes (profiler allocation records)"
         if device == "cpu"
         else "max_memory_allocated",
         "by_model": by_model,
