@@ -101,10 +101,24 @@ def _rank_files(log_dir: Path, nproc: int) -> dict[int, list[Path]]:
 
 
 def _read_ranks(log_dir: Path, nproc: int) -> dict[int, str]:
+    """Each rank's stderr then stdout (``stderr.log`` sorts first)."""
     outputs = {}
     for rank, paths in _rank_files(log_dir, nproc).items():
         outputs[rank] = "\n".join(p.read_text(errors="replace") for p in sorted(paths))
     return outputs
+
+
+def _failure_tails(log_dir: Path, nproc: int, ranks: list[int], chars: int = 2000) -> str:
+    """The end of each rank's stdout and stderr (a native crash shows only in stderr)."""
+    parts = []
+    for rank, paths in _rank_files(log_dir, nproc).items():
+        if rank not in ranks:
+            continue
+        for path in sorted(paths):
+            parts.append(
+                f"--- rank {rank} {path.name} ---\n{path.read_text(errors='replace')[-chars:]}"
+            )
+    return "\n".join(parts)
 
 
 def run_megatron(
@@ -168,14 +182,14 @@ def run_megatron(
         stuck = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
         if entry is not None:  # no end marker: name every rank
             stuck = list(range(nproc))
-        tails = "\n".join(f"--- rank {r} ---\n{outputs.get(r, '')[-2000:]}" for r in stuck)
+        tails = _failure_tails(log_dir, nproc, stuck)
         raise TorchrunTimeout(
             f"ranks {stuck} of {nproc} did not finish within {timeout:.0f} s\n{tails}"
         ) from None
     wall_s = time.monotonic() - start
     outputs = _read_ranks(log_dir, nproc)
     if process.returncode != 0:
-        tails = "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in outputs.items())
+        tails = _failure_tails(log_dir, nproc, list(range(nproc)))
         raise TorchrunFailure(
             f"torchrun exited with {process.returncode}\n{tails}\n--- launcher ---\n"
             f"{launcher_output[-2000:]}"
