@@ -16,9 +16,22 @@ megatron-muon's flags (each maps to one keyword of ``megatron_muon.ShardedMuon``
 - ``--muon-fsdp-bucket-size-mb`` (None = one bucket): bound on the fp32 full matrices exchanged at
   once, i.e. the step's peak extra memory.
 - ``--muon-ns-method {standard,gram}`` (standard): Newton-Schulz or Gram Newton-Schulz.
+- ``--muon-gram-half-dtype {float16,bfloat16}`` (float16): Gram NS matmul dtype under
+  ``--muon-fp32-matmul-prec medium``.
+- ``--muon-gram-restarts N [N ...]`` (default restarts): Gram NS restart iterations.
 - ``--muon-offload-momentum``: keep Muon momentum in CPU memory between steps.
 
 ``sharded_muon_kwargs(args)`` turns parsed args into those keywords.
+
+QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, read with
+``qk_clip_threshold(args)``:
+
+- on a parser of our own, ``--qk-clip-threshold TAU`` (default None = off) is added here;
+- on Megatron-LM's parser, which already has ``--qk-clip`` (switch), ``--qk-clip-threshold``
+  (default 100) and ``--qk-clip-alpha``, nothing is added: QK-clip is on exactly when ``--qk-clip``
+  is given, with Megatron's ``--qk-clip-threshold``. ``--qk-clip-alpha`` (Megatron's split of the
+  factor between q and k) is not used: ``QKClip`` scales q and k by ``sqrt(eta)`` each (MHA) and
+  gives every GQA head exactly its own factor (see ``megatron_muon.qk_clip``).
 """
 
 from __future__ import annotations
@@ -26,10 +39,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_muon_args", "sharded_muon_kwargs", "FSDP_MODES", "NS_METHODS"]
+__all__ = [
+    "add_muon_args",
+    "sharded_muon_kwargs",
+    "qk_clip_threshold",
+    "FSDP_MODES",
+    "NS_METHODS",
+    "GRAM_HALF_DTYPES",
+]
 
 FSDP_MODES = ("owner", "gather")
 NS_METHODS = ("standard", "gram")
+GRAM_HALF_DTYPES = ("float16", "bfloat16")
 _GROUP_TITLE = "megatron-muon"
 
 
@@ -62,10 +83,34 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Newton-Schulz iteration: 'standard' or 'gram' (Gram Newton-Schulz).",
     )
     group.add_argument(
+        "--muon-gram-half-dtype",
+        choices=GRAM_HALF_DTYPES,
+        default="float16",
+        help="Gram Newton-Schulz matmul dtype under --muon-fp32-matmul-prec medium (fp32 under "
+        "high/highest). bfloat16 where fp16 matmuls are slow (CPUs).",
+    )
+    group.add_argument(
+        "--muon-gram-restarts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Gram Newton-Schulz: iterations after which X and X X^T are rebuilt (each in "
+        "[1, --muon-num-ns-steps), increasing); default: the method's own for the dtype.",
+    )
+    group.add_argument(
         "--muon-offload-momentum",
         action="store_true",
         help="Keep Muon momentum in CPU memory between optimizer steps.",
     )
+    if not _has_option(parser, "--qk-clip-threshold"):
+        # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
+        group.add_argument(
+            "--qk-clip-threshold",
+            type=float,
+            default=None,
+            help="QK-clip (MuonClip): after each step, scale the q/k weight rows of every "
+            "attention head whose max pre-softmax logit exceeded this threshold. Default: off.",
+        )
     return parser
 
 
@@ -111,5 +156,21 @@ def sharded_muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mode": getattr(args, "muon_fsdp_mode", "owner"),
         "bucket_size_bytes": None if bucket_mb is None else int(bucket_mb * 2**20),
         "ns_method": getattr(args, "muon_ns_method", "standard"),
+        "gram_half_dtype": getattr(args, "muon_gram_half_dtype", "float16"),
+        "gram_restarts": getattr(args, "muon_gram_restarts", None),
         "offload_momentum": bool(getattr(args, "muon_offload_momentum", False)),
     }
+
+
+def qk_clip_threshold(args: argparse.Namespace) -> float | None:
+    """QK-clip's threshold from parsed args, or None when QK-clip is off (module docstring).
+
+    Megatron-LM's arguments (they have ``qk_clip``): ``args.qk_clip_threshold`` if ``--qk-clip``
+    was given, else None. Ours: ``--qk-clip-threshold`` as given (None = off).
+    """
+    threshold = getattr(args, "qk_clip_threshold", None)
+    if hasattr(args, "qk_clip") and not args.qk_clip:
+        return None
+    if threshold is not None and not threshold > 0:
+        raise ValueError(f"--qk-clip-threshold must be positive, got {threshold}")
+    return threshold

@@ -8,7 +8,8 @@ Two frozen dataclasses, one per concern:
   (REFERENCE.md section 4).
 - ``MuonFsdpConfig``: what only megatron-muon has (where Newton-Schulz runs on Megatron-FSDP's row
   shards, exchange bucketing, NS method, momentum offload), one field per ``ShardedMuon`` keyword
-  and per ``megatron_muon.arguments`` flag (``--muon-fsdp-mode`` ...).
+  and per ``megatron_muon.arguments`` flag (``--muon-fsdp-mode`` ...), plus QK-clip's threshold
+  (``--qk-clip-threshold``; the factory builds a ``QKClip`` that the step wrapper runs).
 
 Learning rate, weight decay, Adam/Lion betas, clipping and precision stay in ``OptimizerConfig``.
 """
@@ -19,12 +20,13 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-__all__ = ["MuonConfig", "MuonFsdpConfig", "TpModeT", "ScalarOptimizerT"]
+__all__ = ["MuonConfig", "MuonFsdpConfig", "TpModeT", "ScalarOptimizerT", "GramHalfDtypeT"]
 
 TpModeT = Literal["blockwise", "duplicated", "distributed"]
 ScalarOptimizerT = Literal["adam", "lion"]
 FsdpModeT = Literal["owner", "gather"]
 NSMethodT = Literal["standard", "gram"]
+GramHalfDtypeT = Literal["float16", "bfloat16"]
 
 _TP_MODES = ("blockwise", "duplicated", "distributed")
 _SCALAR_OPTIMIZERS = ("adam", "lion")
@@ -101,13 +103,22 @@ class MuonFsdpConfig:
         bucket_size_bytes: bound on the fp32 full matrices exchanged at once (peak extra memory);
             None = all in one bucket.
         ns_method: ``"standard"`` Newton-Schulz or ``"gram"`` (Gram Newton-Schulz).
+        gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``
+            (``"float16"`` or ``"bfloat16"``; fp32 under "high"/"highest").
+        gram_restarts: Gram NS restart iterations (None: ``default_gram_restarts``).
         offload_momentum: keep Muon momentum in CPU memory between steps.
+        qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.qk_clip.QKClip``) applied to every
+            megatron-core ``SelfAttention`` of the model after each step; None = off. Not a
+            ``ShardedMuon`` keyword: the factory builds the ``QKClip`` and the step wrapper runs it.
     """
 
     mode: FsdpModeT = "owner"
     bucket_size_bytes: int | None = None
     ns_method: NSMethodT = "standard"
+    gram_half_dtype: GramHalfDtypeT = "float16"
+    gram_restarts: tuple[int, ...] | None = None
     offload_momentum: bool = False
+    qk_clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("owner", "gather"):
@@ -116,13 +127,24 @@ class MuonFsdpConfig:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes}")
         if self.ns_method not in ("standard", "gram"):
             raise ValueError(f"ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+        if self.gram_half_dtype not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"gram_half_dtype must be 'float16' or 'bfloat16', got {self.gram_half_dtype!r}"
+            )
+        if self.gram_restarts is not None:
+            # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
+            object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
+        if self.qk_clip_threshold is not None and not self.qk_clip_threshold > 0:
+            raise ValueError(
+                f"qk_clip_threshold must be positive (None: off), got {self.qk_clip_threshold}"
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MuonFsdpConfig:
         """From parsed ``megatron_muon.arguments`` flags (defaults where a flag is absent)."""
-        from megatron_muon.arguments import sharded_muon_kwargs
+        from megatron_muon.arguments import qk_clip_threshold, sharded_muon_kwargs
 
-        return cls(**sharded_muon_kwargs(args))
+        return cls(**sharded_muon_kwargs(args), qk_clip_threshold=qk_clip_threshold(args))
 
     def sharded_muon_kwargs(self) -> dict[str, Any]:
         """The ``ShardedMuon`` keyword-only arguments these settings set."""
@@ -130,5 +152,7 @@ class MuonFsdpConfig:
             "mode": self.mode,
             "bucket_size_bytes": self.bucket_size_bytes,
             "ns_method": self.ns_method,
+            "gram_half_dtype": self.gram_half_dtype,
+            "gram_restarts": self.gram_restarts,
             "offload_momentum": self.offload_momentum,
         }

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.qk_clip import QKClip, find_self_attentions
 from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import FsdpStepWrapper, unwrap_megatron_fsdp
 
@@ -108,6 +109,9 @@ def build_muon_optimizer(
             over ``expt_dp``, TP groups ``tp``/``expt_tp``. None: megatron-core's global groups when
             ``parallel_state`` is initialized, else the groups the ``MegatronFSDP`` modules use.
         fsdp_config: megatron-muon's owner/gather mode and friends (default ``MuonFsdpConfig()``).
+            With ``qk_clip_threshold`` set, a ``QKClip`` over every megatron-core
+            ``SelfAttention`` in the chunks is built here, on the optimizer params (before any
+            forward swaps the compute weights in), and the wrapper runs it after each step.
         grads_already_synced: True inside Megatron-LM's training loop (``finalize_model_grads``
             already called ``finish_grad_sync``); False for a custom loop (see ``FsdpStepWrapper``).
 
@@ -180,8 +184,18 @@ def build_muon_optimizer(
     for line in summary:
         log_single_rank(logger, logging.INFO, line)
 
+    qk_clip = _qk_clip(fsdp_config, chunks, pg_collection, fsdp_modules)
+    if qk_clip is not None:
+        summary.append(
+            f"megatron-muon QK-clip: threshold {qk_clip.threshold:g} on "
+            f"{len(qk_clip.attentions)} attention layers"
+        )
+        log_single_rank(logger, logging.INFO, summary[-1])
+
     chained = FsdpChainedOptimizer(optimizers)
-    wrapper = FsdpStepWrapper(chained, fsdp_modules, grads_already_synced=grads_already_synced)
+    wrapper = FsdpStepWrapper(
+        chained, fsdp_modules, grads_already_synced=grads_already_synced, qk_clip=qk_clip
+    )
     wrapper.routing = routing
     wrapper.summary_lines = summary
     return wrapper
@@ -473,6 +487,30 @@ def _muon_optimizer(
         f"({dist.get_world_size(dp_group)} ranks)"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
+
+
+def _qk_clip(
+    fsdp_config: MuonFsdpConfig,
+    chunks: list[torch.nn.Module],
+    pg_collection: ProcessGroupCollection | None,
+    fsdp_modules: list[Any],
+) -> QKClip | None:
+    """MuonClip's ``QKClip`` when ``fsdp_config.qk_clip_threshold`` is set, else None.
+
+    Built now, while every ``linear_qkv`` weight (and bias) is the DTensor row shard the optimizer
+    updates (a forward swaps in the compute weights); max logits are all-reduced over the dense
+    data-parallel group (``dp_cp``), whose ranks see different tokens.
+    """
+    if fsdp_config.qk_clip_threshold is None:
+        return None
+    attentions = find_self_attentions(chunks)
+    if not attentions:
+        raise ValueError(
+            f"qk_clip_threshold={fsdp_config.qk_clip_threshold} but the model has no megatron-core "
+            "SelfAttention layer to clip"
+        )
+    group, _ = _dp_group(pg_collection, fsdp_modules, is_expert=False)
+    return QKClip(attentions, fsdp_config.qk_clip_threshold, group=group)
 
 
 def _scalar_optimizer(

@@ -11,7 +11,10 @@ the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 a
    ``grads_already_synced`` flag: False (default) for a custom loop that runs forward/backward and
    calls ``optimizer.step()``; True inside Megatron-LM's loop.
 2. the inner step: grad norm over all shards, clipping, every sub-optimizer;
-3. the new main weights copied into the compute weights, ``install_optimized_model_weights()``,
+3. QK-clip (MuonClip), when a ``QKClip`` is given: the query/key rows of heads whose logits
+   exceeded the threshold are scaled on the optimizer params' row shards, after the update and
+   before step 4 copies them into the compute weights (``megatron_muon.qk_clip``);
+4. the new main weights copied into the compute weights, ``install_optimized_model_weights()``,
    and the params re-synced with ``start_param_sync()`` (as megatron-core's DistributedOptimizer
    does for Megatron-FSDP), once per ``MegatronFSDP``.
 
@@ -36,15 +39,20 @@ place into the accumulated buffer: pass False to accumulate.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.utils import log_single_rank
 
 from megatron_muon.layout import local_tensor
+from megatron_muon.qk_clip import QKClip, QKClipStats
 
 __all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
+
+logger = logging.getLogger(__name__)
 
 
 def megatron_fsdp_classes() -> tuple[type, ...]:
@@ -88,6 +96,10 @@ class FsdpStepWrapper(MegatronOptimizer):
         grads_already_synced: True when the training loop calls ``finish_grad_sync()`` itself
             before ``step()`` (Megatron-LM's ``finalize_model_grads``); False (default) makes
             ``step()`` call it (a custom loop: forward, backward, ``optimizer.step()``).
+        qk_clip: MuonClip's ``QKClip`` over the model's attention layers, built on the optimizer
+            params (row shards) before the first forward; ``clip()`` runs after every inner step
+            and its ``QKClipStats`` is kept in ``last_qk_clip`` and logged (rank 0, INFO). None:
+            no QK-clip.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class FsdpStepWrapper(MegatronOptimizer):
         fsdp_modules: Sequence[Any],
         *,
         grads_already_synced: bool = False,
+        qk_clip: QKClip | None = None,
     ) -> None:
         classes = megatron_fsdp_classes()
         for module in fsdp_modules:
@@ -107,6 +120,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         self.inner = inner
         self.fsdp_modules = list(fsdp_modules)
         self.grads_already_synced = grads_already_synced
+        self.qk_clip = qk_clip
+        #: The last step's QK-clip (heads clipped, largest max logit); None before or without it.
+        self.last_qk_clip: QKClipStats | None = None
         #: Where each param went and the lines logged at build time (set by the factory).
         self.routing: list[Any] = []
         self.summary_lines: list[str] = []
@@ -117,7 +133,7 @@ class FsdpStepWrapper(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
-        """finish_grad_sync (unless already synced) -> inner step -> install weights + param sync.
+        """finish_grad_sync (unless synced) -> inner step -> QK-clip -> install weights + sync.
 
         Collective: every rank must call it.
         """
@@ -126,6 +142,16 @@ class FsdpStepWrapper(MegatronOptimizer):
                 module.finish_grad_sync()
         self._give_empty_shards_a_grad()
         result = self.inner.step()
+        if self.qk_clip is not None:
+            # On the main weights' row shards, before they are installed into the compute weights.
+            self.last_qk_clip = self.qk_clip.clip()
+            log_single_rank(
+                logger,
+                logging.INFO,
+                f"QK-clip: {self.last_qk_clip.num_clipped_heads} heads clipped "
+                f"(max logit {self.last_qk_clip.max_logit:.4g}, "
+                f"threshold {self.qk_clip.threshold:g})",
+            )
         for module in self.fsdp_modules:
             module.install_optimized_model_weights()
             module.start_param_sync()
