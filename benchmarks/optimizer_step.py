@@ -74,7 +74,7 @@ def _time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) 
 def _peak_step_memory(optimizers: dict, device: str) -> dict:
     """Peak tensor memory above the pre-step level during one step of each optimizer, bytes.
 
-    CPU: live tensor bytes from the profiler's memory timeline; GPU: ``max_memory_allocated``.
+    CPU: live tensor bytes from the profiler's allocation records; GPU: ``max_memory_allocated``.
     """
     peaks = {}
     for name, optimizer in optimizers.items():
