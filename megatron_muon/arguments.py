@@ -29,9 +29,11 @@ QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, rea
 - on a parser of our own, ``--qk-clip-threshold TAU`` (default None = off) is added here;
 - on Megatron-LM's parser, which already has ``--qk-clip`` (switch), ``--qk-clip-threshold``
   (default 100) and ``--qk-clip-alpha``, nothing is added: QK-clip is on exactly when ``--qk-clip``
-  is given, with Megatron's ``--qk-clip-threshold``. ``--qk-clip-alpha`` (Megatron's split of the
-  factor between q and k) is not used: ``QKClip`` scales q and k by ``sqrt(eta)`` each (MHA) and
-  gives every GQA head exactly its own factor (see ``megatron_muon.qk_clip``).
+  is given, with Megatron's ``--qk-clip-threshold`` (with muon + Megatron-FSDP,
+  ``megatron_muon.integrations.megatron_lm`` moves ``--qk-clip`` to ``args.muon_qk_clip`` so that
+  Megatron's own ``clip_qk`` does not run on the compute weights). ``--qk-clip-alpha``
+  (Megatron's split of the factor between q and k) is not used: ``QKClip`` scales q and k by
+  ``sqrt(eta)`` each (MHA) and gives every GQA head exactly its own factor (``qk_clip``).
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ def qk_clip_threshold(args: argparse.Namespace) -> float | None:
     was given, else None. Ours: ``--qk-clip-threshold`` as given (None = off).
     """
     threshold = getattr(args, "qk_clip_threshold", None)
-    if hasattr(args, "qk_clip") and not args.qk_clip:
+    # muon_qk_clip: --qk-clip taken over from Megatron by megatron_muon.integrations.megatron_lm.
+    if hasattr(args, "qk_clip") and not (args.qk_clip or getattr(args, "muon_qk_clip", False)):
         return None
     if threshold is not None and not threshold > 0:
         raise ValueError(f"--qk-clip-threshold must be positive, got {threshold}")

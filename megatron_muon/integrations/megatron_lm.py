@@ -21,6 +21,9 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied)
    every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
+   ``--qk-clip`` is taken over there too: megatron-muon's ``QKClip`` clips the main weights'
+   row shards with Megatron's ``--qk-clip-threshold``, Megatron's own ``clip_qk`` (on the
+   compute weights, TE only) does not run (``_take_over_qk_clip``).
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
    left alone): exactly when ``config.optimizer == "muon"`` and a model chunk is wrapped by
@@ -169,6 +172,7 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
                 "--optimizer muon with --use-megatron-fsdp does not support --fp16 (as in "
                 "megatron-core): use --bf16 or fp32"
             )
+        _take_over_qk_clip(args)
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
@@ -189,6 +193,24 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
         return result
 
     return validate_args_accepting_muon
+
+
+def _take_over_qk_clip(args: argparse.Namespace) -> None:
+    """``--qk-clip`` with muon + Megatron-FSDP: megatron-muon's ``QKClip`` clips, not Megatron's.
+
+    Megatron's ``train_step`` calls ``megatron.core.optimizer.qk_clip.clip_qk(model)`` after the
+    step when ``args.qk_clip``: it scales the module params, which under Megatron-FSDP are the
+    compute weights that the next ``install_optimized_model_weights`` overwrites from the main
+    weights (the clip would be lost), and it needs TE >= 2.9 for the max logits (``validate_args``
+    asserts it). So ``args.qk_clip`` is turned off here (Megatron's ``clip_qk`` then never runs,
+    nor its TE check) and ``args.muon_qk_clip`` on: ``megatron_muon.arguments.qk_clip_threshold``
+    reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold``, run by the step
+    wrapper on the main weights' row shards before they are installed. ``--qk-clip-alpha`` is
+    not used (see ``megatron_muon.arguments``).
+    """
+    if getattr(args, "qk_clip", False):
+        args.qk_clip = False
+        args.muon_qk_clip = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -269,7 +291,7 @@ def _with_fsdp_dtensor_checkpoints(built: Any, model_chunks: Any) -> Any:
         grads_already_synced=built.grads_already_synced,
         model_chunks=model_chunks,
     )
-    for name in ("routing", "summary_lines"):
+    for name in ("routing", "summary_lines", "qk_clip"):
         if hasattr(built, name):
             setattr(optimizer, name, getattr(built, name))
     return optimizer
