@@ -10,13 +10,16 @@ off and watching the failure (../shared/REFERENCE.md sections 2, 6 and 8).
 Megatron-FSDP (both copies: the ``megatron_fsdp`` package and megatron-core's vendored
 ``megatron.core.distributed.fsdp.src.megatron_fsdp``), REFERENCE.md section 2:
 
-- ``torch.cuda.current_device`` -> 0: ``megatron_fsdp.py`` builds ``torch.device("cuda:N")`` from it;
+- ``torch.cuda.current_device`` -> 0: ``megatron_fsdp.py`` builds ``torch.device("cuda:N")``
+  from it;
   the device that is finally used is the ``device=`` argument (cpu).
 - ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` -> no-op objects: grad reduce and param
   all-gather run on side streams; on CPU every op is already ordered.
 - ``Tensor.cuda()`` -> identity inside ``uneven_dtensor.validate_uneven_dtensor`` (a boundary check
   tensor is moved to cuda before an all-reduce).
 - the mcore adapter's ``DeviceMesh.from_group(..., device_type="cuda")`` -> ``"cpu"``.
+- ``_coalescing_manager`` in ``param_and_grad_buffer`` runs synchronously: an async parameter
+  all-gather into a bucket that CPU memory management recycles early corrupts the heap.
 - ``gradient_reduce_preprocessing`` never picks ``PREMUL_SUM`` (NCCL-only; "Cannot use
   ReduceOp.PREMUL_SUM with Gloo"): it takes the scale-then-SUM branch that
   ``gradient_reduce_div_fusion=False`` selects. Where a config is built by hand, set that field
@@ -25,8 +28,8 @@ Megatron-FSDP (both copies: the ``megatron_fsdp`` package and megatron-core's ve
 megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 6):
 
 - tensor factories (``torch.tensor/zeros/ones/empty/full/*_like/arange``) called with a CUDA device
-  (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an int) allocate on CPU instead; applied to the
-  module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
+  (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an int) allocate on CPU instead; applied to
+  the module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
 - ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router
@@ -124,7 +127,8 @@ def cpu_device_redirect_modules() -> list[str]:
 def install(extra_redirect_modules: list[str] | None = None) -> None:
     """Applies every CPU stand-in to this process. Idempotent.
 
-    Call it in each rank after ``init_process_group("gloo")`` (a forkserver preload must not call it:
+    Call it in each rank after ``init_process_group("gloo")`` (a forkserver preload must not call
+    it:
     patches are per process).
 
     Raises:
@@ -147,6 +151,7 @@ def install(extra_redirect_modules: list[str] | None = None) -> None:
     for package in _FSDP_PACKAGES:
         _patch_uneven_dtensor(package)
         _patch_gradient_reduce_preprocessing(package)
+        _patch_coalesced_param_gather(package)
     _patch_mcore_fsdp_adapter()
     _redirect_module_devices()
     _patch_clip_grads_type_check()
@@ -272,6 +277,31 @@ def _patch_gradient_reduce_preprocessing(package: str) -> None:
 
     without_premul_sum._cpu_stand_in = True  # type: ignore[attr-defined]
     module.gradient_reduce_preprocessing = without_premul_sum
+
+
+def _patch_coalesced_param_gather(package: str) -> None:
+    """Parameter all-gathers complete before their coalescing block exits (no async gloo ops).
+
+    megatron_fsdp launches the parameter all-gather of the next FSDP unit asynchronously
+    (``_coalescing_manager(group, async_ops=True)``) and relies on CUDA stream ordering and the
+    caching allocator (``record_stream``) to keep the target bucket alive until the gather is
+    done. On CPU neither exists: a bucket recycled while gloo's worker thread still writes into it
+    corrupts the heap ("malloc(): unaligned tcache chunk detected", seen once in ~10 runs of a
+    2-rank pretrain test). Synchronous coalescing removes the overlap, not any data.
+    """
+    try:
+        module = importlib.import_module(f"{package}.param_and_grad_buffer")
+    except ImportError:
+        return
+    original = module._coalescing_manager
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    def synchronous_coalescing(group: Any = None, device: Any = None, async_ops: bool = False):
+        return original(group, device, async_ops=False)
+
+    synchronous_coalescing._cpu_stand_in = True  # type: ignore[attr-defined]
+    module._coalescing_manager = synchronous_coalescing
 
 
 class _CpuDeviceMesh:
