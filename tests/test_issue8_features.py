@@ -4,8 +4,10 @@ under Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``, ``optim_grads
 - QK-clip (``MuonFsdpConfig.qk_clip_threshold``): on 2 ranks, every param equals an unsharded
   reference (``TensorParallelMuon`` + AdamW on full tensors, then ``QKClip`` on the full weights)
   and the wrapper reports the same number of clipped heads as the reference, every step;
-- Gram Newton-Schulz (``ns_method="gram"``, fp32 "highest"): the 2-rank run equals the 1-rank run
-  with the same method to 1e-6 and differs from the standard method's run (it really ran);
+- Gram Newton-Schulz (``ns_method="gram"``, fp32 "highest"): the 2-rank run matches the 1-rank
+  run with the same method to within the gradient reduction-order deviation that standard NS shows
+  between its own 2-rank and 1-rank runs (amplified ~2.5x by Gram NS; numbers in the test), and
+  differs from standard NS (it really ran);
 - momentum offload (``offload_momentum=True``): bitwise equal to the run without offload over
   several steps, and after ``save_checkpoint`` / ``load_checkpoint`` into a fresh model and
   optimizer the resumed run is still bitwise equal to the uninterrupted one.
@@ -27,10 +29,11 @@ from tests.harness import run_on_ranks
 
 RUN = Run(wrapper="mcore", strategy="optim_grads_params")
 NUM_STEPS = 3
-# Below the tiny GPT's per-head max logits (~0.3-1.0 at init), so heads are clipped every step.
-QK_CLIP_THRESHOLD = 0.5
+# Among the tiny GPT's per-head max logits (0.07-0.21 over the first 3 steps without clipping), so
+# some heads are clipped at every step and others not.
+QK_CLIP_THRESHOLD = 0.12
 TOLERANCE = 1e-5  # as tests/test_factory.py: fp32, 2-rank reduction order vs one process
-GRAM_TOLERANCE = 1e-6  # fp32 "highest": Gram NS on 2 ranks vs 1 rank, same method
+GRAM_TOLERANCE = 1e-6  # fp32 "highest": absolute slack on Gram NS's DP=2 vs DP=1 deviation
 
 
 def _build(world_size: int, fsdp_kwargs: dict):
@@ -125,14 +128,14 @@ def test_qk_clip_from_the_factory_clips_the_heads_an_unsharded_reference_clips(q
             assert mine == reference, f"step {step}: {mine} heads clipped, reference {reference}"
             assert max_logit == pytest.approx(reference_max, rel=1e-5), step
     counts = [c[0] for c in qk_clip_results[0]["counts"]]
-    # 2 layers x 4 heads; the threshold is low enough that some head is clipped at every step.
-    assert all(0 < count <= 8 for count in counts), counts
+    # 2 layers x 4 heads: some heads are clipped at every step, never all.
+    assert all(0 < count < 8 for count in counts), counts
     print(f"\nQK-clip heads clipped per step (of 8): {counts}; worst {max(errors.values()):.1e}")
 
 
 def test_qk_clip_summary_line_names_the_threshold(qk_clip_results):
     assert any(
-        "QK-clip: threshold 0.5 on 2 attention layers" in line
+        "QK-clip: threshold 0.12 on 2 attention layers" in line
         for line in qk_clip_results[0]["summary"]
     )
 
@@ -147,30 +150,56 @@ def _final_rows(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     out = []
     for fsdp_kwargs in runs:
         wrapped, named, optimizer = _build(world_size, fsdp_kwargs)
+        after_step = []
         for step in range(NUM_STEPS):
             _step(wrapped, optimizer, step, rank, world_size)
+            after_step.append(_rows(named))
         muon = optimizer.chained_optimizers[0].optimizer
-        out.append({"rows": _rows(named), "ns_method": muon.ns_config.ns_method})
+        out.append(
+            {
+                "after_step": after_step,
+                "rows": after_step[-1],
+                "ns_method": muon.ns_config.ns_method,
+                "muon": [
+                    gpt_parity._strip(r.name) for r in optimizer.routing if r.optimizer == "muon"
+                ],
+            }
+        )
     return out
 
 
-def test_gram_newton_schulz_on_two_ranks_equals_one_rank_and_differs_from_standard():
+def test_gram_newton_schulz_on_two_ranks_matches_one_rank_as_closely_as_standard_ns_does():
     runs = [{"ns_method": "gram"}, {"ns_method": "standard"}]
     two = run_on_ranks(_final_rows, 2, runs, timeout=300)
-    one = run_on_ranks(_final_rows, 1, runs[:1], timeout=300)
-    assert two[0][0]["ns_method"] == "gram" and one[0][0]["ns_method"] == "gram"
-    gram_two = _assemble([r[0]["rows"] for r in two])
-    standard_two = _assemble([r[1]["rows"] for r in two])
-    gram_one = one[0][0]["rows"]
-    worst, differs = 0.0, False
-    for name, full in gram_two.items():
-        expected = gram_one[name][1]
-        error = float((full - expected).norm() / expected.norm().clamp_min(1e-12))
-        worst = max(worst, error)
-        assert error <= GRAM_TOLERANCE, f"{name}: gram DP=2 vs DP=1 relative error {error:.2e}"
-        differs |= not torch.equal(full, standard_two[name])
-    assert differs, "ns_method='gram' gave the standard method's weights bit for bit"
-    print(f"\nGram NS DP=2 vs DP=1: largest relative error {worst:.2e}")
+    one = run_on_ranks(_final_rows, 1, runs, timeout=300)
+    assert [r["ns_method"] for r in one[0]] == ["gram", "standard"]
+    assert all(r[0]["ns_method"] == "gram" for r in two)
+    muon_names = one[0][0]["muon"]
+    assert len(muon_names) == 8, muon_names  # linear_qkv, linear_proj, fc1, fc2 of 2 layers
+    by_step, differs = [], set()
+    for step in range(NUM_STEPS):
+        two_full = [_assemble([r[i]["after_step"][step] for r in two]) for i in range(2)]
+        worst = {"gram": 0.0, "standard": 0.0}
+        for name in muon_names:
+            for index, method in enumerate(("gram", "standard")):
+                expected = one[0][index]["after_step"][step][name][1]
+                difference = (two_full[index][name] - expected).norm()
+                worst[method] = max(worst[method], float(difference / expected.norm()))
+            # linear_proj (64 x 64) is square: Gram NS falls back to standard NS there.
+            if not torch.equal(two_full[0][name], two_full[1][name]):
+                differs.add(name)
+        by_step.append(worst)
+    assert any("linear_fc1" in name for name in differs), f"gram == standard except {differs}"
+    print(f"\nMuon params, DP=2 vs DP=1 largest relative error after each step: {by_step}")
+    # DP=2 and DP=1 differ before NS: the 2-rank averaged gradient's fp32 reduction order. NS
+    # amplifies it (the momentum's small singular directions), standard NS to ~4e-6 in the weights
+    # after one step on this model, Gram NS ~2.5x more (X X^T squares the singular values);
+    # later steps compound it through AdamW's embeddings. Measured: gram 8.9e-6 / 1.2e-5 / 1.3e-5,
+    # standard 3.8e-6 / 4.7e-6 / 4.9e-6 after steps 1-3. So 1e-6 is out of reach through the whole
+    # model; what this checks is that Gram NS on shards adds no error beyond that amplification.
+    for worst in by_step:
+        assert worst["gram"] <= 2 * TOLERANCE, by_step
+        assert worst["gram"] <= 4 * worst["standard"] + GRAM_TOLERANCE, by_step
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,6 +304,20 @@ def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():
     on = parser.parse_args(["--qk-clip", "--qk-clip-threshold=30"])
     assert MuonFsdpConfig.from_args(on).qk_clip_threshold == 30.0
     assert MuonFsdpConfig.from_args(parser.parse_args(["--qk-clip"])).qk_clip_threshold == 100.0
+
+
+def test_megatron_lm_integration_takes_over_qk_clip_for_muon_with_megatron_fsdp():
+    from megatron_muon.arguments import qk_clip_threshold
+    from megatron_muon.integrations.megatron_lm import _take_over_qk_clip
+
+    args = argparse.Namespace(qk_clip=True, qk_clip_threshold=20.0, qk_clip_alpha=0.5)
+    _take_over_qk_clip(args)
+    # Megatron's train_step then never calls its clip_qk; ours clips at Megatron's threshold.
+    assert args.qk_clip is False and args.muon_qk_clip is True
+    assert qk_clip_threshold(args) == 20.0
+    off = argparse.Namespace(qk_clip=False, qk_clip_threshold=100.0)
+    _take_over_qk_clip(off)
+    assert qk_clip_threshold(off) is None
 
 
 def test_bad_config_values_are_refused_by_name():
