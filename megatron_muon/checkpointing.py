@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import unwrap_megatron_fsdp
 
 __all__ = [
@@ -284,6 +285,9 @@ def ensure_optimizer_state(optimizer: Any) -> None:
     stepped: dict[tuple[int, ...], list[torch.Tensor]] = {}
     mesh_groups: dict[tuple[int, ...], list[dist.ProcessGroup]] = {}
     for leaf in leaf_optimizers(optimizer):
+        if isinstance(leaf, ShardedMuon):
+            # Offloaded momentum has its storage freed between steps: DCP would read freed memory.
+            leaf.bring_momentum_back()
         for group in leaf.param_groups:
             keys = _expected_state_keys(leaf, group)
             for param in group["params"]:

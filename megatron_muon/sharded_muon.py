@@ -291,6 +291,11 @@ class ShardedMuon(TensorParallelMuon):
         for local in self._offloaded:
             local.untyped_storage().resize_(0)
 
+    def bring_momentum_back(self) -> None:
+        """Makes offloaded momentum resident again (before anything reads or writes ``state``
+        directly, as ``megatron_muon.checkpointing`` does); the next step offloads it again."""
+        self._bring_momentum_back()
+
     def _bring_momentum_back(self) -> None:
         """Restores offloaded momentum to the device (a no-op when nothing is offloaded)."""
         for local, host in self._offloaded.items():
