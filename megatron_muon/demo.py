@@ -59,6 +59,8 @@ def _run(optimizer: str, lr: float, out: Path, args: argparse.Namespace) -> dict
         str(args.seed),
         "--train-iters",
         str(args.train_iters),
+        "--eval-iters",
+        str(args.eval_iters),
         "--log-json",
         str(log_json),
     ]
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("demo_out"))
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--train-iters", type=int, default=200)
+    # Validation files differ a lot in predictability: 20 batches per evaluation keep the curve
+    # from following which files a 4-batch evaluation happens to draw.
+    parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
