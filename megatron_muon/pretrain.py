@@ -10,7 +10,7 @@ run shape, data and checkpoints, and three things of its own:
   datasets, with ``--tokenizer-type``) work as in Megatron-LM.
 - **A progress line** per ``--log-interval``: iteration, learning rate, train loss, the last
   validation loss, tokens/s, step time and the optimizer step's share of it (Megatron's own log
-  lines are printed as well).
+  lines are printed as well), and a progress bar on rank 0 when stderr is a terminal.
 - **A JSON log** (``--log-json PATH``: one record per logged iteration and per evaluation) and,
   with ``--plot PATH``, a PNG of the train and validation loss curves.
 
@@ -291,6 +291,18 @@ def _scalar(value: Any) -> float:
     return float(value)
 
 
+def _progress_bar(iteration: int, total: int, width: int = 30) -> None:
+    """A one-line progress bar on rank 0's stderr, only when it is a terminal."""
+    if not sys.stderr.isatty() or (
+        torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
+    ):
+        return
+    done = min(width, width * iteration // max(1, total))
+    end = "\n" if iteration >= total else ""
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {iteration}/{total}{end}")
+    sys.stderr.flush()
+
+
 def _instrument(training: Any, log: RunLog) -> None:
     """Times steps and optimizer steps; records each logged iteration and evaluation.
 
@@ -329,6 +341,7 @@ def _instrument(training: Any, log: RunLog) -> None:
     ) -> Any:
         result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs)
         run_args = get_args()
+        _progress_bar(iteration, run_args.train_iters)
         if iteration % run_args.log_interval == 0 and "lm loss" in loss_dict:
             steps = max(1, log.steps_since_log)
             step_s = log.step_seconds / steps
