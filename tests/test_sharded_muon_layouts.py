@@ -17,6 +17,26 @@ def _relative(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -
     return ((mine - full_rows).norm() / full.norm()).item()
 
 
+def _rows(split: list[int], position: int) -> slice:
+    """The rows a shard position holds when rows are split ``split`` (in position order)."""
+    start = sum(split[:position])
+    return slice(start, start + split[position])
+
+
+def _row_shard(full: torch.Tensor, rows: slice, mesh, placements):
+    """``full``'s rows ``rows`` as this rank's local part of an uneven row-sharded DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        full[rows].clone(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+
+
 def _step_both(params, reference_params, optimizer, reference, grad_rows, steps: int) -> None:
     """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
     for step in range(steps):
@@ -47,18 +67,10 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     def rows_of(i: int) -> slice:
-        start = sum(splits[i][:inner])
-        return slice(start, start + splits[i][inner])
+        return _rows(splits[i], inner)
 
     def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            full[rows_of(i)].clone(),
-            mesh,
-            [Replicate(), Shard(0)],
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
+        return _row_shard(full, rows_of(i), mesh, [Replicate(), Shard(0)])
 
     params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
@@ -124,20 +136,10 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             return full.chunk(2, dim=specs[i][1])[tp_rank]
 
         def dp_rows(i: int) -> slice:
-            split = specs[i][2]
-            start = sum(split[:dp_rank])
-            return slice(start, start + split[dp_rank])
+            return _rows(specs[i][2], dp_rank)
 
         def dtensor(i: int, full: torch.Tensor) -> DTensor:
-            block = tp_local(i, full)
-            return DTensor.from_local(
-                block[dp_rows(i)].clone(),
-                mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=block.shape,
-                stride=block.stride(),
-            )
+            return _row_shard(tp_local(i, full), dp_rows(i), mesh, [Shard(0)])
 
         params = []
         for i, full in enumerate(fulls):
@@ -206,18 +208,10 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     def rows(i: int) -> slice:
-        start = sum(splits[i][:rank])
-        return slice(start, start + splits[i][rank])
+        return _rows(splits[i], rank)
 
     def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            full[rows(i)].clone(),
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
+        return _row_shard(full, rows(i), mesh, [Shard(0)])
 
     params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
@@ -376,18 +370,10 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     def rows(i: int) -> slice:
-        start = sum(splits[i][:rank])
-        return slice(start, start + splits[i][rank])
+        return _rows(splits[i], rank)
 
     def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            full[rows(i)].clone(),
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=full.shape,
-            stride=full.stride(),
-        )
+        return _row_shard(full, rows(i), mesh, [Shard(0)])
 
     params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
