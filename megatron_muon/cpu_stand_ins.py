@@ -32,16 +32,24 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
   the module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
-- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router
-  (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a CPU router weight to
-  ``current_device()`` before every forward (router.py:98), i.e. to ``cuda:0``.
+- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router and the
+  tensor-parallel mappings (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a CPU
+  router weight to ``current_device()`` before every forward (router.py:98), i.e. to ``cuda:0``;
+  ``tensor_parallel.mappings`` allocates its all-gather / reduce-scatter / all-to-all outputs on
+  ``current_device()`` (mappings.py:95, 145, 185, 447), which the MoE token dispatcher runs over
+  the expert tensor-parallel group (expert TP > 1).
+
+Tensor parallelism (TP > 1):
+
+- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> a dummy CPU byte state / no-op:
+  megatron-core's ``FullyShardedDataParallel`` broadcasts TP rank 0's RNG states, CUDA's
+  included, over the TP group when it wraps a model (``sync_rng_states_across_tp_group``), and
+  Megatron-LM's checkpoints save and restore the CUDA RNG state next to the CPU one.
 
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; section 8):
 
 - ``torch.cuda.synchronize`` -> no-op: the loop's timers synchronize before reading the clock.
-- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> a dummy CPU byte state / no-op: checkpoints
-  save and restore the CUDA RNG state next to the CPU one.
 - ``megatron.training.arguments.get_device_arch_version`` -> 0: ``validate_args`` asks the GPU's
   compute capability for Megatron-FSDP's stream priorities.
 - ``initialize_megatron(allow_no_cuda=True)``: it asserts a GPU is present unless told otherwise.
@@ -93,7 +101,10 @@ _TRAINING_REDIRECT_MODULES = [
 ]
 
 # Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.
-_CURRENT_DEVICE_CPU_MODULES = ["megatron.core.transformer.moe.router"]
+_CURRENT_DEVICE_CPU_MODULES = [
+    "megatron.core.transformer.moe.router",
+    "megatron.core.tensor_parallel.mappings",
+]
 
 _FACTORIES = (
     "tensor",
@@ -203,6 +214,9 @@ class _NoOpStream:
 
 _DEFAULT_STREAM = _NoOpStream()
 
+# What a checkpoint stores as the "CUDA" RNG state on CPU: a fixed empty byte tensor.
+_DUMMY_CUDA_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
+
 
 def _patch_cuda_runtime() -> None:
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
@@ -212,6 +226,9 @@ def _patch_cuda_runtime() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     # Record-stream bookkeeping on CPU tensors has nothing to record.
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    # There is no CUDA generator: a fixed dummy state (TP RNG sync, checkpoints).
+    torch.cuda.get_rng_state = lambda *a, **k: _DUMMY_CUDA_RNG_STATE.clone()  # type: ignore
+    torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,17 +506,11 @@ def install_for_training() -> None:
     if _TRAINING_INSTALLED:
         return
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.cuda.get_rng_state = lambda *a, **k: _DUMMY_CUDA_RNG_STATE.clone()  # type: ignore
-    torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
     _patch_training_arguments()
     _patch_training_initialize()
     _patch_dataset_helpers()
     _patch_fsdp_default_device()
     _TRAINING_INSTALLED = True
-
-
-# What a checkpoint stores as the "CUDA" RNG state on CPU: a fixed empty byte tensor.
-_DUMMY_CUDA_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
 
 
 def _patch_training_arguments() -> None:
