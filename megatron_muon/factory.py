@@ -439,20 +439,6 @@ def _dp_group(
     return group, f"Megatron-FSDP {'expert ' if is_expert else ''}data-parallel group"
 
 
-def _check_group_matches_shards(groups: list[dict], group: dist.ProcessGroup, label: str) -> None:
-    """The group ShardedMuon exchanges rows over must be the ranks each param is spread over."""
-    ranks = sorted(dist.get_process_group_ranks(group))
-    for param_group in groups:
-        for param in param_group["params"]:
-            mesh_ranks = sorted(param.device_mesh.mesh.flatten().tolist())
-            if mesh_ranks != ranks:
-                raise ValueError(
-                    f"a Muon param of shape {tuple(param.shape)} is spread over ranks "
-                    f"{mesh_ranks} (its DTensor mesh) but Muon would exchange its rows over "
-                    f"{label} = ranks {ranks}; pass the pg_collection the model was wrapped with"
-                )
-
-
 # --------------------------------------------------------------------------------------------------
 # sub-optimizers
 # --------------------------------------------------------------------------------------------------
@@ -469,7 +455,6 @@ def _muon_optimizer(
 ) -> tuple[FP32Optimizer, str]:
     """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
     dp_group, dp_label = _dp_group(pg_collection, fsdp_modules, is_expert)
-    _check_group_matches_shards(groups, dp_group, dp_label)
     muon = _MUON_OPTIMIZERS[config.optimizer](
         groups,
         lr=config.lr,
@@ -486,6 +471,10 @@ def _muon_optimizer(
         f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
         f"({dist.get_world_size(dp_group)} ranks)"
     )
+    tp_name = "expt_tp" if is_expert else "tp"
+    tp_group = getattr(pg_collection, tp_name, None) if pg_collection is not None else None
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        line += f" x {tp_name} ({dist.get_world_size(tp_group)} ranks)"
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
 

@@ -18,10 +18,14 @@ rows; only Newton-Schulz (NS) needs the full matrix. One step is:
 3. each rank updates its own rows in place (placements and global shape untouched).
 
 Orthogonalization semantics are megatron-core ``TensorParallelMuon``'s (scale modes, coefficient
-types, NS steps, QKV split, tp_mode blockwise/duplicated/distributed): with a tensor-parallel
-partition, the DP-full TP-local matrix goes through ``TensorParallelMuon.orthogonalize`` itself, so
-its TP collectives run among the TP ranks that own the same matrix (the plan depends on shapes
-only, never on the TP rank).
+types, NS steps, QKV split, tp_mode blockwise/duplicated/distributed). With tensor parallelism
+Megatron-FSDP's param is a DTensor on a ``(dp_cp, tp)`` mesh (``layout.py``): the exchange runs
+over ``dp_group``, the data-parallel ranks of one TP rank, on the TP-local matrix; under
+duplicated/distributed the DP-full TP-local matrix then goes through
+``TensorParallelMuon.orthogonalize`` itself, so its TP collectives run over ``pg_collection.tp``
+(``expt_tp`` for experts) among the TP ranks that own the same matrix (the plan depends on shapes
+only, which are the same on every TP rank); under blockwise each TP rank orthogonalizes its own
+block.
 """
 
 from __future__ import annotations
@@ -34,10 +38,18 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange, WorkBlock
-from megatron_muon.layout import RowLayout, gather_row_layouts, local_tensor
+from megatron_muon.layout import (
+    RowLayout,
+    TensorParallelSplit,
+    gather_row_layouts,
+    group_ranks,
+    local_tensor,
+    mesh_axes,
+)
 from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.split_newton_schulz import (
@@ -110,11 +122,19 @@ class ShardedMuon(TensorParallelMuon):
             over a small block of ranks when one owner per matrix cannot balance the load
             (``planner.plan_split_owners``); ``0`` allows splitting any matrix.
 
-    Params: DTensors with ``Shard(0)`` (1-D mesh, or the shard dim of an HSDP mesh) or ``Replicate``
-    placements, or plain tensors (replicated over ``dp_group``); 2-D ``(out, in)`` matrices or 3-D
-    ``(E, out, in)`` expert tensors (orthogonalized per expert). State (``momentum_buffer``, like
-    the param) exists for every param on every rank from construction on, so checkpoint keys are the
-    same on every rank.
+    Params: DTensors with ``Shard(0)`` or ``Replicate`` placements on their data-parallel mesh axes
+    (1-D ``dp_group`` mesh, or the two axes of an HSDP mesh), plus, under tensor parallelism,
+    ``Shard(partition_dim)`` on a tensor-parallel axis (Megatron-FSDP's ``(dp_cp, tp)`` mesh, global
+    shape of the unsplit weight); or plain tensors (replicated over ``dp_group``); 2-D
+    ``(out, in)`` matrices or 3-D ``(E, out, in)`` expert tensors (orthogonalized per expert).
+    State (``momentum_buffer``, like the param) exists for every param on every rank from
+    construction on, so checkpoint keys are the same on every rank.
+
+    Raises:
+        ValueError: bad keywords; a param that is not a matrix; a DTensor whose data-parallel mesh
+            axes are not ``dp_group``, or, with tp_mode duplicated/distributed, whose
+            tensor-parallel axis is not ``pg_collection.tp`` (``expt_tp``) or does not split
+            ``partition_dim``.
     """
 
     def __init__(
@@ -210,8 +230,61 @@ class ShardedMuon(TensorParallelMuon):
                     f"ShardedMuon orthogonalizes matrices: param {index} has shape "
                     f"{tuple(param.shape)} ({param.ndim}-D); route it to the scalar optimizer"
                 )
+        self._check_meshes()
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
+
+    def _check_meshes(self) -> None:
+        """Each DTensor param's mesh matches ``dp_group`` (its rows) and, where tensor parallelism
+        splits it and ``tp_mode`` communicates, the TP group of ``TensorParallelMuon``. Metadata
+        only: no collective."""
+        dp_ranks = sorted(group_ranks(self.dp_group))
+        for index, param in enumerate(self._all_params()):
+            if not isinstance(param, DTensor):
+                continue
+            axes = mesh_axes(param, dp_ranks)
+            where = (
+                f"param {index} of shape {tuple(param.shape)} (placements "
+                f"{tuple(param.placements)})"
+            )
+            if sorted(axes.data_parallel_ranks) != dp_ranks:
+                raise ValueError(
+                    f"{where} has its rows on ranks {sorted(axes.data_parallel_ranks)}, but Muon "
+                    f"would exchange them over dp_group = ranks {dp_ranks}; pass the group the "
+                    "model was wrapped with (pg_collection.dp_cp, or expt_dp for experts)"
+                )
+            for split in axes.tensor_parallel:
+                self._check_tensor_parallel_split(param, split, where)
+
+    def _check_tensor_parallel_split(
+        self, param: torch.Tensor, split: TensorParallelSplit, where: str
+    ) -> None:
+        """Under tp_mode duplicated/distributed, ``TensorParallelMuon.orthogonalize`` joins the
+        TP blocks along ``param.partition_dim`` over ``pg_collection.tp`` (``expt_tp``): both must
+        be what the DTensor's tensor-parallel axis says. Blockwise needs neither."""
+        if self.tp_mode == "blockwise":
+            return
+        if param.ndim != 2:
+            raise ValueError(
+                f"{where} is split over tensor-parallel ranks {list(split.ranks)}: tp_mode="
+                f"{self.tp_mode!r} on 3-D expert tensors is not supported; use 'blockwise'"
+            )
+        partition_dim = getattr(param, "partition_dim", None)
+        if partition_dim != split.dim:
+            raise ValueError(
+                f"{where} is split over tensor-parallel ranks {list(split.ranks)} along dim "
+                f"{split.dim}, but its partition_dim is {partition_dim}: tp_mode="
+                f"{self.tp_mode!r} joins the TP blocks along partition_dim"
+            )
+        group = self._tp_group(param)
+        ranks = sorted(group_ranks(group)) if group is not None else None
+        if ranks != sorted(split.ranks):
+            name = "expt_tp" if getattr(param, "expert_tp", False) else "tp"
+            raise ValueError(
+                f"{where} is split over tensor-parallel ranks {list(split.ranks)}, but tp_mode="
+                f"{self.tp_mode!r} would run its TP collectives over pg_collection.{name} = "
+                f"ranks {ranks}; pass the pg_collection the model was wrapped with"
+            )
 
     # ----------------------------------------------------------------------------------------------
     # step: local momentum -> NS on full matrices -> local update

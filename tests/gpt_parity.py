@@ -72,8 +72,13 @@ def init_megatron(num_distributed_optimizer_instances: int = 1) -> None:
         )
 
 
-def build_gpt(moe: bool = False) -> torch.nn.Module:
-    """The tiny GPTModel (local spec, 2 layers, hidden 64, 4 heads, vocab 256, seq 32), seed 0."""
+def build_gpt(moe: bool = False, **config_overrides) -> torch.nn.Module:
+    """The tiny GPTModel (local spec, 2 layers, hidden 64, 4 heads, vocab 256, seq 32), seed 0.
+
+    ``config_overrides`` go to its ``TransformerConfig`` (e.g. ``tensor_model_parallel_size``,
+    ``num_query_groups``); with ``use_cpu_initialization`` every TP rank's partition is its chunk
+    of the same full weight, so TP > 1 models hold the TP = 1 model's weights.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -103,6 +108,7 @@ def build_gpt(moe: bool = False) -> torch.nn.Module:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **moe_kwargs,
+        **config_overrides,
     )
     spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS if moe else None)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)

@@ -3,8 +3,10 @@
 Runs ``examples/pretrain_gpt_megatron.py`` as ``__main__`` with the remaining arguments, then prints
 this rank's row layout of every parameter (``MEGATRON_MUON_LAYOUT {name: [local_rows, rows]}``,
 from the DTensors Megatron-FSDP hands the optimizer), what optimizer the loop got
-(``MEGATRON_MUON_OPTIMIZER {"class": ..., "summary": [...]}``) and an end marker, so that a test
-can tell a rank that finished from one that hung.
+(``MEGATRON_MUON_OPTIMIZER {"class": ..., "summary": [...]}``), the grad norm of every
+``optimizer.step()`` at full precision (``MEGATRON_MUON_GRAD_NORMS [...]``; the loop's log line
+rounds it to 3 decimals) and an end marker, so that a test can tell a rank that finished from one
+that hung.
 
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
@@ -22,6 +24,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt_megat
 DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
 LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
+GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
 
 
@@ -50,6 +53,15 @@ def main() -> None:
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         captured["optimizer"] = optimizer
         captured["model"] = model
+        grad_norms = captured.setdefault("grad_norms", [])
+        step = optimizer.step
+
+        def recording_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            result = step(*step_args, **step_kwargs)
+            grad_norms.append(None if result[1] is None else float(result[1]))
+            return result
+
+        optimizer.step = recording_step
         return model, optimizer, scheduler
 
     training.setup_model_and_optimizer = setup_and_capture
@@ -67,6 +79,7 @@ def main() -> None:
     }
     print(LAYOUT_MARKER + json.dumps(layout), flush=True)
     print(OPTIMIZER_MARKER + json.dumps(described), flush=True)
+    print(GRAD_NORMS_MARKER + json.dumps(captured.get("grad_norms", [])), flush=True)
     print(DONE_MARKER, flush=True)
 
 

@@ -28,6 +28,7 @@ DRIVER = REPO / "tests" / "megatron_lm_driver.py"
 DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
 LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
+GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 
 # The flags every test run shares: 2 gloo CPU ranks, the local (non-TE) GPT spec, no CUDA fusions,
 # no dropout, a tiny GPT (2 layers, hidden 64) on mock data, one log line per iteration.
@@ -65,6 +66,8 @@ class MegatronRun:
     rank_outputs: dict[int, str]
     wall_s: float
     optimizers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Rank 0's grad norm of every optimizer step, at full precision (the log rounds it).
+    grad_norms: list[float | None] = field(default_factory=list)
 
     def series(self, name: str = "lm loss") -> list[float]:
         """One field over the iterations, in iteration order."""
@@ -200,6 +203,7 @@ def run_megatron(
     iterations: dict[int, dict[str, float]] = {}
     layouts: dict[int, dict[str, list[int]]] = {}
     optimizers: dict[int, dict[str, Any]] = {}
+    grad_norms: list[float | None] = []
     for rank, text in outputs.items():
         iterations.update(parse_iteration_lines(text))
         for line in text.splitlines():
@@ -207,4 +211,6 @@ def run_megatron(
                 layouts[rank] = json.loads(line[len(LAYOUT_MARKER) :])
             elif line.startswith(OPTIMIZER_MARKER):
                 optimizers[rank] = json.loads(line[len(OPTIMIZER_MARKER) :])
-    return MegatronRun(iterations, layouts, outputs, wall_s, optimizers)
+            elif line.startswith(GRAD_NORMS_MARKER) and rank == 0:
+                grad_norms = json.loads(line[len(GRAD_NORMS_MARKER) :])
+    return MegatronRun(iterations, layouts, outputs, wall_s, optimizers, grad_norms)

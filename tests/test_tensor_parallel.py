@@ -1,0 +1,127 @@
+"""Muon on Megatron-FSDP with tensor parallelism: the DTensors megatron-core really builds.
+
+``parallel_state.initialize_model_parallel`` with TP, megatron-core's ``FullyShardedDataParallel``
+around the tiny GPTModel (QKV split over GQA query groups), ``build_muon_optimizer``, 3 steps
+(``tests/tp_parity.py``): dense TP = 2, and experts with expert TP = 2 (``expt_tp``; MoE with
+TP > 1 needs sequence parallelism, which the CPU-only local spec lacks). One launch trains every
+case at TP x DP2 (4 ranks), one at TP x DP1 (2 ranks), for each tp_mode.
+
+Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured 2026-11-22:
+
+- Against megatron-core's ``TensorParallelMuon`` + AdamW on the unsplit weights, fed the run's own
+  reduced gradients: AdamW params <= 1.1e-7 relative, Muon params <= 4e-6 (largest:
+  ``linear_proj.weight``, 2-4e-6 in every tp_mode at DP2 and DP1 alike; clip coefficients differ
+  in the 7th digit because the global norm is summed in another order, and Newton-Schulz amplifies
+  the difference along the momentum's small singular directions). Tolerance 1e-5, as in
+  ``test_factory.py``. A wrong TP block order, scale or QKV split is off by O(0.1).
+- TP x DP2 against TP x DP1: the two runs reduce gradients in different orders (two half-batch
+  backwards and a DP reduce-scatter against one whole-batch backward), ~1e-7 relative; losses
+  then agree to 5e-7 and grad norms to 1e-6 over 3 steps, and Muon params to <= 3.4e-5 (the
+  router weight and attention matrices, where NS amplifies most). Tolerances: 1e-5 on losses and
+  grad norms, 1e-4 on Muon params.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import tp_parity
+from tests.harness import run_on_ranks
+from tests.tp_parity import DENSE_TP2, EXPERT_TP2, TP_MODES
+
+CASES = [(DENSE_TP2, mode) for mode in TP_MODES] + [(EXPERT_TP2, mode) for mode in TP_MODES]
+CASE_IDS = [f"{'experts' if p.moe else 'dense'}-{mode}" for p, mode in CASES]
+
+MUON_TOLERANCE = 1e-5  # against the reference fed the same gradients
+ADAMW_TOLERANCE = 1e-6
+DP_MUON_TOLERANCE = 1e-4  # TP x DP2 against TP x DP1 (different gradient reduction order)
+DP_STATS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def dp2() -> dict:
+    """TP x DP2 on 4 ranks (every case), plus the group-mismatch errors."""
+    return _by_case(run_on_ranks(tp_parity.train_ranks, 4, CASES, True, timeout=600))
+
+
+@pytest.fixture(scope="module")
+def dp1() -> dict:
+    """TP x DP1 on 2 ranks (every case)."""
+    return _by_case(run_on_ranks(tp_parity.train_ranks, 2, CASES, timeout=600))
+
+
+def _by_case(per_rank: list[dict]) -> dict:
+    return {
+        "runs": [[rank["runs"][i] for rank in per_rank] for i in range(len(CASES))],
+        "errors": per_rank[0]["errors"],
+    }
+
+
+def _relative(mine: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((mine - expected).double().norm() / expected.double().norm())
+
+
+def _final(per_rank: list[dict], name: str) -> torch.Tensor:
+    return tp_parity.assemble([result["final"] for result in per_rank], name)
+
+
+@pytest.mark.parametrize("world", ["dp2", "dp1"])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+def test_tensor_parallel_muon_matches_unsharded_tensor_parallel_muon(request, world, case):
+    parallelism, tp_mode = CASES[case]
+    per_rank = request.getfixturevalue(world)["runs"][case]
+    reference = tp_parity.reference_run(per_rank, tp_mode)
+    routing = per_rank[0]["routing"]
+    errors = {n: _relative(_final(per_rank, n), p) for n, p in reference["params"].items()}
+    for name, error in errors.items():
+        tolerance = MUON_TOLERANCE if routing[name] == "muon" else ADAMW_TOLERANCE
+        assert error <= tolerance, f"{name} ({routing[name]}): relative error {error:.2e}"
+    for step, (stats, norm) in enumerate(
+        zip(per_rank[0]["stats"], reference["grad_norms"], strict=True)
+    ):
+        assert stats["grad_norm"] == pytest.approx(norm, rel=1e-6), step
+    summary = per_rank[0]["summary"]
+    assert all(f"tp_mode {tp_mode}" in line for line in summary if "Muon[" in line), summary
+    marker = "Muon[expert]" if parallelism.moe else "Muon[dense]"
+    tp_line = next(line for line in summary if marker in line)
+    assert f"x {'expt_tp' if parallelism.moe else 'tp'} (2 ranks)" in tp_line, summary
+    if world == "dp2":
+        # Megatron-FSDP's uneven row shards: some rank holds no rows of some Muon matrix.
+        assert any(result["empty_muon_shards"] for result in per_rank)
+    worst = max((n for n in errors if routing[n] == "muon"), key=errors.get)
+    print(f"\n{summary}\nlargest Muon deviation: {worst} {errors[worst]:.2e}")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+def test_tensor_parallel_dp2_equals_dp1(dp2, dp1, case):
+    two, one = dp2["runs"][case], dp1["runs"][case]
+    for step, (a, b) in enumerate(zip(two[0]["stats"], one[0]["stats"], strict=True)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=DP_STATS_TOLERANCE), step
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=DP_STATS_TOLERANCE), step
+    routing = two[0]["routing"]
+    errors = {
+        n: _relative(_final(two, n), _final(one, n)) for n, opt in routing.items() if opt == "muon"
+    }
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= DP_MUON_TOLERANCE, f"{worst}: relative difference {errors[worst]:.2e}"
+    print(
+        f"\nDP2 vs DP1 losses {[s['loss'] for s in two[0]['stats']]} "
+        f"{[s['loss'] for s in one[0]['stats']]}; largest Muon difference {worst} "
+        f"{errors[worst]:.2e}"
+    )
+
+
+def test_process_groups_that_do_not_match_the_dtensors_are_refused_at_build(dp2):
+    # Rank 0 of TP = 2 x DP = 2: dp_cp = ranks [0, 2], tp = ranks [0, 1].
+    errors = dp2["errors"]
+    assert (
+        "mesh axis 1 ('tp') over ranks [0, 1], all in the data-parallel group [0, 1, 2, 3]"
+        in (errors["dp_cp is the world"])
+    )
+    assert "is that group the one the model was wrapped with?" in errors["dp_cp is the world"]
+    assert (
+        "is split over tensor-parallel ranks [0, 1], but tp_mode='duplicated' would run its TP "
+        "collectives over pg_collection.tp = ranks [0, 2]" in errors["tp is dp_cp"]
+    )
+    assert "along dim 0, but its partition_dim is 1" in errors["qkv partition_dim 1"]

@@ -1,0 +1,305 @@
+"""Tensor-parallel GPT training under Megatron-FSDP, and its single-process reference.
+
+Ranks train the tiny GPTModel (``tests/gpt_parity.py``, GQA: 4 heads in 2 query groups, so the QKV
+split is ``[32, 16, 16]`` rows per group) wrapped by megatron-core's ``FullyShardedDataParallel``
+after ``parallel_state.initialize_model_parallel`` with tensor parallelism, so every param is the
+DTensor Megatron-FSDP builds: mesh ``(dp_cp, tp)``, placements ``(Shard(0), Shard(partition_dim))``,
+global shape of the unsplit weight. Each rank returns its local rows with where they sit in the
+unsplit weight; ``assemble`` puts the weights back together in the test process.
+
+The reference (``reference_run``, in the test process) is megatron-core's ``TensorParallelMuon`` (+
+AdamW) on the unsplit fp32 weights, fed the sharded run's own reduced gradients step by step, so it
+differs from the sharded run only in arithmetic order. Under tp_mode blockwise each TP rank
+orthogonalizes its own block, so the reference orthogonalizes each of the ``tp`` blocks along
+``partition_dim`` apart; under duplicated and distributed the whole matrix.
+
+Experts with tensor parallelism: MoE with TP > 1 refuses to train without sequence parallelism,
+which the local spec's torch LayerNorm does not support, so the expert case runs TP = 1 with expert
+tensor parallelism 2 (``expt_tp``; ``expt_dp`` = world / 2): expert weights are
+``(expt_dp, expt_tp)`` DTensors, dense ones 1-D over ``dp_cp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tests import gpt_parity
+from tests.gpt_parity import Run
+
+TP_MODES = ("blockwise", "duplicated", "distributed")
+# The exchange: owner-compute for two modes, the gather reference for one.
+FSDP_MODE = {"blockwise": "owner", "duplicated": "owner", "distributed": "gather"}
+NUM_STEPS = 3
+NUM_QUERY_GROUPS = 2
+QKV_SPLIT = [32, 16, 16]  # per query group: 2 query heads x 16, one key head, one value head
+GLOBAL_BATCH_WORLD = 2  # gpt_parity.batch(step, 2): 8 sequences per step, for every world size
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """A TP layout: dense tensor parallelism ``tp``, expert tensor parallelism ``expert_tp``."""
+
+    tp: int
+    expert_tp: int
+    moe: bool
+
+    def config(self) -> dict:
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            expert_tensor_parallel_size=self.expert_tp,
+            num_query_groups=NUM_QUERY_GROUPS,
+        )
+
+
+DENSE_TP2 = Parallelism(tp=2, expert_tp=2, moe=False)
+EXPERT_TP2 = Parallelism(tp=1, expert_tp=2, moe=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# ranks: Megatron-FSDP training with TP
+# --------------------------------------------------------------------------------------------------
+
+
+def train_ranks(
+    rank: int, world_size: int, cases: list[tuple[Parallelism, str]], check_errors: bool = False
+) -> dict:
+    """Trains each ``(parallelism, tp_mode)`` case in turn (harness rank body).
+
+    Returns ``{"runs": [per case], "errors": {...}}``; with ``check_errors``, ``errors`` holds the
+    messages ``build_muon_optimizer`` raises for process groups that do not match the DTensors
+    (dense TP = 2 layout).
+    """
+    from megatron.core import parallel_state
+
+    out: dict = {"runs": [], "errors": {}}
+    current = None
+    try:
+        for parallelism, tp_mode in cases:
+            if parallelism != current:
+                _init(parallelism)
+                current = parallelism
+            out["runs"].append(_train(parallelism, tp_mode))
+        if check_errors:
+            if current != DENSE_TP2:
+                _init(DENSE_TP2)
+            out["errors"] = _group_mismatch_errors()
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def _init(parallelism: Parallelism) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallelism.tp,
+        expert_tensor_parallel_size=parallelism.expert_tp,
+    )
+
+
+def _group_mismatch_errors() -> dict[str, str]:
+    """What building Muon says when its groups do not match the DTensors (dense TP = 2)."""
+    import copy
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_muon import build_muon_optimizer
+
+    model = gpt_parity.build_gpt(False, **DENSE_TP2.config())
+    wrapped = gpt_parity.wrap(model, Run("mcore", "optim_grads_params"), dist.get_world_size())
+    mpu = ProcessGroupCollection.use_mpu_process_groups()
+    config = gpt_parity.optimizer_config(muon_tp_mode="duplicated")
+    attempts = {"dp_cp is the world": ("dp_cp", dist.group.WORLD), "tp is dp_cp": ("tp", mpu.dp_cp)}
+    errors = {}
+    for label, (field, group) in attempts.items():
+        pg_collection = copy.copy(mpu)
+        setattr(pg_collection, field, group)
+        try:
+            build_muon_optimizer(config, [wrapped], pg_collection=pg_collection)
+        except ValueError as error:
+            errors[label] = str(error)
+    qkv = next(
+        p for n, p in wrapped.named_parameters() if n.endswith("0.self_attention.linear_qkv.weight")
+    )
+    qkv.partition_dim = 1
+    try:
+        build_muon_optimizer(config, [wrapped])
+    except ValueError as error:
+        errors["qkv partition_dim 1"] = str(error)
+    return errors
+
+
+def _train(parallelism: Parallelism, tp_mode: str) -> dict:
+    from megatron.core import parallel_state
+
+    from megatron_muon import MuonFsdpConfig, build_muon_optimizer
+
+    model = gpt_parity.build_gpt(parallelism.moe, **parallelism.config())
+    wrapped = gpt_parity.wrap(model, Run("mcore", "optim_grads_params"), dist.get_world_size())
+    named = {gpt_parity._strip(n): p for n, p in wrapped.named_parameters()}
+    optimizer = build_muon_optimizer(
+        gpt_parity.optimizer_config(muon_tp_mode=tp_mode),
+        [wrapped],
+        fsdp_config=MuonFsdpConfig(mode=FSDP_MODE[tp_mode]),
+        grads_already_synced=True,  # this loop calls finish_grad_sync, as Megatron-LM's does
+    )
+    fsdp = optimizer.fsdp_modules[0]
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    initial = {n: _piece(p, p) for n, p in named.items()}
+    grads, stats = [], []
+    for step in range(NUM_STEPS):
+        tokens, labels = gpt_parity.batch(step, GLOBAL_BATCH_WORLD)
+        optimizer.zero_grad()
+        loss = gpt_parity.loss_of(
+            wrapped, tokens.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank]
+        )
+        loss.backward()
+        fsdp.finish_grad_sync()
+        grads.append({n: _piece(p, p.grad) for n, p in named.items() if p.grad is not None})
+        ok, grad_norm, _ = optimizer.step()
+        assert ok
+        mean_loss = loss.detach().reshape(1) / dp_size
+        dist.all_reduce(mean_loss, group=parallel_state.get_data_parallel_group())
+        stats.append({"loss": float(mean_loss), "grad_norm": float(grad_norm)})
+    routing = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
+    return {
+        "initial": initial,
+        "grads": grads,
+        "final": {n: _piece(p, p) for n, p in named.items()},
+        "routing": routing,
+        "empty_muon_shards": [
+            n for n, p in named.items() if routing[n] == "muon" and p.to_local().shape[0] == 0
+        ],
+        "summary": list(optimizer.summary_lines),
+        "stats": stats,
+    }
+
+
+def _piece(param: torch.Tensor, tensor: torch.Tensor) -> tuple:
+    """(TP index, TP size, partition dim, first row in the TP partition, local rows) of
+    ``tensor`` (the param or its grad, laid out alike).
+
+    Read from the param's DTensor as Megatron-FSDP builds it: the ``tp`` mesh axis (if any) with
+    its ``Shard(partition_dim)`` placement; rows located by ``megatron_fsdp_slice``.
+    """
+    from torch.distributed.tensor import Shard
+
+    local = tensor.detach().to_local().clone()
+    mesh = param.device_mesh
+    tp_index, tp_size, dim = 0, 1, None
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        axis = names.index("tp")
+        placement = param.placements[axis]
+        if isinstance(placement, Shard):
+            tp_index, tp_size, dim = mesh.get_coordinate()[axis], mesh.size(axis), placement.dim
+    row_numel = max(1, local.shape[1:].numel())
+    start = param.megatron_fsdp_slice.start // row_numel
+    return tp_index, tp_size, dim, start, local
+
+
+def assemble(per_rank_pieces: list[dict], name: str) -> torch.Tensor:
+    """The unsplit tensor ``name`` from every rank's pieces (TP partitions joined along dim)."""
+    partitions: dict[int, dict[int, torch.Tensor]] = {}
+    tp_size, dim = 1, None
+    for pieces in per_rank_pieces:
+        if name not in pieces:
+            continue
+        tp_index, tp_size, dim, start, local = pieces[name]
+        if local.shape[0]:
+            partitions.setdefault(tp_index, {})[start] = local
+    blocks = [
+        torch.cat([rows for _, rows in sorted(partitions[i].items())]) for i in range(tp_size)
+    ]
+    return blocks[0] if dim is None else torch.cat(blocks, dim=dim)
+
+
+def partition(per_rank_pieces: list[dict], name: str) -> tuple[int, int | None]:
+    """(TP size, partition dim) of ``name``."""
+    _, tp_size, dim, _, _ = per_rank_pieces[0][name]
+    return tp_size, dim
+
+
+# --------------------------------------------------------------------------------------------------
+# the reference: one process, the unsplit model, TensorParallelMuon on full tensors
+# --------------------------------------------------------------------------------------------------
+
+
+class BlockwiseMuon:
+    """Builds megatron-core's ``TensorParallelMuon`` on unsplit weights that orthogonalizes each
+    weight in ``blocks[name]`` blocks along ``dims[name]``, one by one: what each TP rank does
+    under tp_mode blockwise. One block: the whole matrix (duplicated, distributed)."""
+
+    @staticmethod
+    def build(params: dict[str, torch.Tensor], blocks: dict[str, tuple[int, int | None]]):
+        from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+        names = {id(p): n for n, p in params.items()}
+
+        class Blockwise(TensorParallelMuon):
+            def orthogonalize(self, p, grad, **kwargs):
+                count, dim = blocks[names[id(p)]]
+                if count == 1:
+                    return super().orthogonalize(p, grad, **kwargs)
+                parts = [super(Blockwise, self).orthogonalize(p, g) for g in grad.chunk(count, dim)]
+                return torch.cat(parts, dim=dim)
+
+        return Blockwise(
+            list(params.values()),
+            lr=gpt_parity.LR,
+            momentum=gpt_parity.MOMENTUM,
+            nesterov=True,
+            weight_decay=gpt_parity.WEIGHT_DECAY,
+            split_qkv=True,
+            is_qkv_fn=lambda p: names[id(p)].endswith("linear_qkv.weight"),
+            qkv_split_shapes=QKV_SPLIT,
+            fp32_matmul_prec="highest",
+            tp_mode="blockwise",
+        )
+
+
+def reference_run(per_rank: list[dict], tp_mode: str) -> dict:
+    """The unsharded single-process reference, fed the sharded run's own reduced gradients.
+
+    megatron-core's ``TensorParallelMuon`` (blockwise per TP block, or whole matrices) + AdamW
+    (no weight decay on 1-D params) on the unsplit fp32 weights, routed by name as
+    ``gpt_parity.Reference`` does, global-norm clipping by ``torch.nn.utils.clip_grad_norm_``.
+    Fed the same gradients, it differs from the sharded run only in arithmetic order.
+
+    Returns:
+        ``{"params": {name: unsplit tensor}, "grad_norms": [per step]}``.
+    """
+    initial = [result["initial"] for result in per_rank]
+    params = {n: torch.nn.Parameter(assemble(initial, n)) for n in per_rank[0]["initial"]}
+    muon = {n: p for n, p in params.items() if gpt_parity.reference_routes_to_muon(n, p)}
+    blocks = {n: partition(initial, n) if tp_mode == "blockwise" else (1, None) for n in muon}
+    muon_optimizer = BlockwiseMuon.build(muon, blocks)
+    others = [(n, p) for n, p in params.items() if n not in muon]
+    adamw = torch.optim.AdamW(
+        [
+            {
+                "params": [p for _, p in others if p.ndim >= 2],
+                "weight_decay": gpt_parity.WEIGHT_DECAY,
+            },
+            {"params": [p for _, p in others if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=gpt_parity.LR,
+        betas=gpt_parity.BETAS,
+        eps=gpt_parity.EPS,
+    )
+    norms = []
+    for step in range(NUM_STEPS):
+        grads = [result["grads"][step] for result in per_rank]
+        for name, param in params.items():
+            param.grad = assemble(grads, name)
+        norms.append(
+            float(torch.nn.utils.clip_grad_norm_(list(params.values()), gpt_parity.CLIP_GRAD))
+        )
+        muon_optimizer.step()
+        adamw.step()
+    return {"params": {n: p.detach() for n, p in params.items()}, "grad_norms": norms}
