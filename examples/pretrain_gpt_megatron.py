@@ -7,8 +7,9 @@ from megatron_muon.integrations.megatron_lm import install; install()  # noqa: E
 # builder (``gpt_config_from_args``), the data from Megatron's ``BlendedMegatronDatasetBuilder``
 # (``--mock-data``, or a user's indexed dataset via ``--data-path``), and training is
 # ``megatron.training.pretrain``. The only megatron-muon line is the first one: ``install()`` (see
-# ``megatron_muon.integrations.megatron_lm``). Tensor parallelism works; pipeline and context
-# parallelism are left out to keep the script short.
+# ``megatron_muon.integrations.megatron_lm``). Tensor parallelism works
+# (``--tensor-model-parallel-size``, every ``--muon-tp-mode``); pipeline and context parallelism
+# are left out to keep the script short.
 #
 # Two CPU ranks (gloo), tiny GPT, mock data::
 #

@@ -1,4 +1,4 @@
-"""Megatron-LM's own loop with ``--tensor-model-parallel-size 2 --optimizer muon --use-megatron-fsdp``.
+"""Megatron-LM's own loop: ``--tensor-model-parallel-size 2 --optimizer muon --use-megatron-fsdp``.
 
 ``examples/pretrain_gpt_megatron.py`` under torchrun (``tests/torchrun.py``; tiny GPT, mock data,
 global batch 4): TP = 2 on 4 ranks (DP = 2) against TP = 2 on 2 ranks (DP = 1, the same batch in
@@ -72,12 +72,6 @@ def test_tp2_on_4_ranks_equals_tp2_on_2_ranks(tp_mode: str) -> None:
         summary = " ".join(described["summary"])
         assert "Muon[dense]" in summary and f"tp_mode {tp_mode}" in summary, described
         assert "over dp_cp (2 ranks) x tp (2 ranks)" in summary, described
-    # Megatron-FSDP's TP DTensors: global shape of the unsplit weight, rows of one TP partition
-    # sharded over dp_cp (linear_qkv: 192 rows, 96 per TP rank, split over 2 DP ranks).
-    qkv = "module.module.decoder.layers.0.self_attention.linear_qkv.weight"
-    assert {tuple(layout[qkv]) for layout in four.layouts.values()} <= {(r, 192) for r in range(97)}
-    if STRATEGY[tp_mode] != "no_shard":
-        assert sum(layout[qkv][0] for layout in four.layouts.values()) == 2 * 96
 
 
 def test_duplicated_and_distributed_agree_within_reduction_order_noise() -> None:
