@@ -194,17 +194,27 @@ class QKClip:
             if params is not None
             else [_default_params(attention) for attention in self.attentions]
         )
-        self._hooks: list[_MaxLogitHook | None] = []
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for index, attention in enumerate(self.attentions):
             _check_supported(attention, index)
+        flat = [tensor for tensors in self.params for tensor in tensors]
+        # Rows of each param's TP-local matrix: under tensor parallelism a Megatron-FSDP DTensor
+        # has the global shape of the unsplit weight.
+        layouts = iter(gather_row_layouts(flat, group) if flat else [])
+        layouts_of = [[next(layouts) for _ in tensors] for tensors in self.params]
+        for index, attention in enumerate(self.attentions):
             rows = _qkv_rows_per_partition(attention)
-            for tensor in self.params[index]:
-                if tensor.shape[0] != rows:
+            for tensor, layout in zip(self.params[index], layouts_of[index], strict=True):
+                if layout.num_rows != rows:
                     raise ValueError(
-                        f"attention {index}: a QK-clip param of shape {tuple(tensor.shape)} does "
-                        f"not have the {rows} rows of this TP rank's linear_qkv"
+                        f"attention {index}: a QK-clip param of shape {tuple(tensor.shape)} "
+                        f"({layout.num_rows} rows per TP partition) does not have the {rows} "
+                        "rows of this TP rank's linear_qkv"
                     )
+        rank = dist.get_rank(group) if group is not None else 0
+        self._row_starts = [[layout.ranges[rank][0] for layout in of] for of in layouts_of]
+        self._hooks: list[_MaxLogitHook | None] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for attention in self.attentions:
             if _records_max_logits(attention.core_attention):
                 self._hooks.append(None)
                 continue
@@ -213,11 +223,6 @@ class QKClip:
             self._handles.append(
                 attention.core_attention.register_forward_hook(hook, with_kwargs=True)
             )
-        flat = [tensor for tensors in self.params for tensor in tensors]
-        layouts = gather_row_layouts(flat, group) if flat else []
-        rank = dist.get_rank(group) if group is not None else 0
-        starts = iter([layout.ranges[rank][0] for layout in layouts])
-        self._row_starts = [[next(starts) for _ in tensors] for tensors in self.params]
 
     def max_logits(self) -> list[torch.Tensor | None]:
         """Per attention, this rank's ``(heads per partition,)`` max logits since the last clip."""

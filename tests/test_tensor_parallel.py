@@ -28,10 +28,19 @@ import torch
 
 from tests import tp_parity
 from tests.harness import run_on_ranks
-from tests.tp_parity import DENSE_TP2, EXPERT_TP2, TP_MODES
+from tests.tp_parity import DENSE_TP2, DENSE_TP2_QK_CLIP, EXPERT_TP2, TP_MODES
 
-CASES = [(DENSE_TP2, mode) for mode in TP_MODES] + [(EXPERT_TP2, mode) for mode in TP_MODES]
-CASE_IDS = [f"{'experts' if p.moe else 'dense'}-{mode}" for p, mode in CASES]
+# Last: QK-clip on top (compared DP2 against DP1 only: the reference has no QK-clip).
+CASES = [
+    *[(DENSE_TP2, mode) for mode in TP_MODES],
+    *[(EXPERT_TP2, mode) for mode in TP_MODES],
+    (DENSE_TP2_QK_CLIP, "duplicated"),
+]
+CASE_IDS = [
+    f"{'experts' if p.moe else 'dense'}-{mode}{'-qk-clip' if p.qk_clip_threshold else ''}"
+    for p, mode in CASES
+]
+REFERENCE_CASES = range(len(CASES) - 1)
 
 MUON_TOLERANCE = 1e-5  # against the reference fed the same gradients
 ADAMW_TOLERANCE = 1e-6
@@ -67,7 +76,7 @@ def _final(per_rank: list[dict], name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", ["dp2", "dp1"])
-@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=CASE_IDS[:-1])
 def test_tensor_parallel_muon_matches_unsharded_tensor_parallel_muon(request, world, case):
     parallelism, tp_mode = CASES[case]
     per_rank = request.getfixturevalue(world)["runs"][case]
@@ -99,6 +108,10 @@ def test_tensor_parallel_dp2_equals_dp1(dp2, dp1, case):
     for step, (a, b) in enumerate(zip(two[0]["stats"], one[0]["stats"], strict=True)):
         assert a["loss"] == pytest.approx(b["loss"], rel=DP_STATS_TOLERANCE), step
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=DP_STATS_TOLERANCE), step
+        assert a["clipped_heads"] == b["clipped_heads"], step
+    if CASES[case][0].qk_clip_threshold is not None:
+        # QK-clip scaled query/key rows of heads in each TP partition's DP row shards.
+        assert any(s["clipped_heads"] for s in two[0]["stats"]), two[0]["stats"]
     routing = two[0]["routing"]
     errors = {
         n: _relative(_final(two, n), _final(one, n)) for n, opt in routing.items() if opt == "muon"

@@ -45,6 +45,7 @@ class Parallelism:
     tp: int
     expert_tp: int
     moe: bool
+    qk_clip_threshold: float | None = None  # MuonFsdpConfig's QK-clip (MuonClip) on top
 
     def config(self) -> dict:
         return dict(
@@ -56,6 +57,8 @@ class Parallelism:
 
 DENSE_TP2 = Parallelism(tp=2, expert_tp=2, moe=False)
 EXPERT_TP2 = Parallelism(tp=1, expert_tp=2, moe=True)
+# Among the tiny GPT's per-head max logits (tests/test_issue8_features.py): some heads clipped.
+DENSE_TP2_QK_CLIP = Parallelism(tp=2, expert_tp=2, moe=False, qk_clip_threshold=0.12)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -78,12 +81,12 @@ def train_ranks(
     current = None
     try:
         for parallelism, tp_mode in cases:
-            if parallelism != current:
+            if (parallelism.tp, parallelism.expert_tp) != current:
                 _init(parallelism)
-                current = parallelism
+                current = (parallelism.tp, parallelism.expert_tp)
             out["runs"].append(_train(parallelism, tp_mode))
         if check_errors:
-            if current != DENSE_TP2:
+            if current != (DENSE_TP2.tp, DENSE_TP2.expert_tp):
                 _init(DENSE_TP2)
             out["errors"] = _group_mismatch_errors()
     finally:
@@ -144,7 +147,9 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
     optimizer = build_muon_optimizer(
         gpt_parity.optimizer_config(muon_tp_mode=tp_mode),
         [wrapped],
-        fsdp_config=MuonFsdpConfig(mode=FSDP_MODE[tp_mode]),
+        fsdp_config=MuonFsdpConfig(
+            mode=FSDP_MODE[tp_mode], qk_clip_threshold=parallelism.qk_clip_threshold
+        ),
         grads_already_synced=True,  # this loop calls finish_grad_sync, as Megatron-LM's does
     )
     fsdp = optimizer.fsdp_modules[0]
@@ -165,7 +170,10 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
         assert ok
         mean_loss = loss.detach().reshape(1) / dp_size
         dist.all_reduce(mean_loss, group=parallel_state.get_data_parallel_group())
-        stats.append({"loss": float(mean_loss), "grad_norm": float(grad_norm)})
+        clipped = optimizer.last_qk_clip.num_clipped_heads if optimizer.last_qk_clip else None
+        stats.append(
+            {"loss": float(mean_loss), "grad_norm": float(grad_norm), "clipped_heads": clipped}
+        )
     routing = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
     return {
         "initial": initial,
