@@ -6,7 +6,7 @@ global batch 4): TP = 2 on 4 ranks (DP = 2) against TP = 2 on 2 ranks (DP = 1, t
 
 Numerics: the two runs reduce gradients in different orders (~1e-7 relative). Iteration 1 is
 before any Muon update: grad norms equal to 1e-5 (measured: equal to all printed digits and to
-~1e-8 at full precision). After Muon updates, the reduction-order noise is what separates two
+<= 5e-9 at full precision). After Muon updates, the reduction-order noise is what separates two
 computations of the same update in different orders: the duplicated and distributed runs below
 (the same Muon update: one all-gathers the TP blocks, the other all-reduces Gram matrices; and
 their strategies reduce gradients differently) differ by <= 3.3e-7 relative in the iteration-8
