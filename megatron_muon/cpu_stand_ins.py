@@ -32,14 +32,23 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
   the module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
-- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router
-  (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a CPU router weight to
-  ``current_device()`` before every forward (router.py:98), i.e. to ``cuda:0``.
+- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router and
+  ``tensor_parallel.mappings`` (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a
+  CPU router weight to ``current_device()`` before every forward (router.py:98), i.e. to
+  ``cuda:0``; with expert parallelism the token gathers allocate with
+  ``device=current_device()`` (mappings.py:145, both dispatchers) and the all-to-all's output
+  with ``input.new_empty(..., device=current_device())`` (:444).
+- the all-to-all dispatcher's split sizes become NumPy arrays (``maybe_move_tensor_to_cpu`` in
+  ``token_dispatcher``): it moves them to the host only when ``is_cuda``, and gloo's
+  ``all_to_all_single`` rejects tensor split sizes.
 
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; section 8):
 
 - ``torch.cuda.synchronize`` -> no-op: the loop's timers synchronize before reading the clock.
+- ``Tensor.cuda()`` -> the tensor itself: Megatron-LM's ``pretrain_gpt.py`` moves each batch with
+  ``.cuda(non_blocking=True)`` in its own ``get_batch`` (the user's script: no module-level
+  redirect reaches it), as does ``training.dummy_train_step``.
 - ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> a dummy CPU byte state / no-op: checkpoints
   save and restore the CUDA RNG state next to the CPU one.
 - ``megatron.training.arguments.get_device_arch_version`` -> 0: ``validate_args`` asks the GPU's
@@ -93,7 +102,12 @@ _TRAINING_REDIRECT_MODULES = [
 ]
 
 # Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.
-_CURRENT_DEVICE_CPU_MODULES = ["megatron.core.transformer.moe.router"]
+_CURRENT_DEVICE_CPU_MODULES = [
+    "megatron.core.transformer.moe.router",
+    # Expert parallelism's all-to-all: torch.empty(..., device=current_device()) in the gathers,
+    # input.new_empty(..., device=current_device()) for the uneven all-to-all's output.
+    "megatron.core.tensor_parallel.mappings",
+]
 
 _FACTORIES = (
     "tensor",
@@ -153,6 +167,7 @@ def install(extra_redirect_modules: list[str] | None = None) -> None:
         _patch_gradient_reduce_preprocessing(package)
         _patch_coalesced_param_gather(package)
     _patch_mcore_fsdp_adapter()
+    _patch_moe_split_sizes_to_host()
     _redirect_module_devices()
     _patch_clip_grads_type_check()
     _INSTALLED = True
@@ -430,6 +445,32 @@ def _redirect_module_devices() -> None:
             module.torch = _TORCH_PROXY_CPU_CURRENT_DEVICE
 
 
+def _patch_moe_split_sizes_to_host() -> None:
+    """The all-to-all dispatcher's split sizes become host (NumPy) values, as on a GPU.
+
+    ``MoEAlltoAllTokenDispatcher`` computes its all-to-all split sizes on the device and moves them
+    to the host with ``moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True)``, which does nothing
+    to a tensor that is not ``is_cuda``: on CPU the sizes stay tensors, and gloo's
+    ``all_to_all_single`` rejects tensor split sizes ("incompatible function arguments").
+    """
+    try:
+        dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    except ImportError:
+        return
+    original = dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()  # a host copy, as the GPU path makes
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_stand_in = True  # type: ignore[attr-defined]
+    dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 # --------------------------------------------------------------------------------------------------
 # clip_grads' type assert
 # --------------------------------------------------------------------------------------------------
@@ -491,11 +532,23 @@ def install_for_training() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.get_rng_state = lambda *a, **k: _DUMMY_CUDA_RNG_STATE.clone()  # type: ignore
     torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
+    torch.Tensor.cuda = _cuda_stays_on_cpu  # type: ignore[method-assign]
     _patch_training_arguments()
     _patch_training_initialize()
     _patch_dataset_helpers()
     _patch_fsdp_default_device()
     _TRAINING_INSTALLED = True
+
+
+def _cuda_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.cuda()`` on a machine without a GPU: the tensor itself, on CPU.
+
+    Megatron-LM's ``pretrain_gpt.py`` moves every batch with ``batch[key].cuda(non_blocking=True)``
+    in its ``get_batch`` (so does ``megatron.training.training.dummy_train_step``); that code is
+    the user's script, out of reach of a module-level redirect, and without a GPU the call can only
+    fail ("Found no NVIDIA driver").
+    """
+    return self
 
 
 # What a checkpoint stores as the "CUDA" RNG state on CPU: a fixed empty byte tensor.
