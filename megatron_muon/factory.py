@@ -479,9 +479,10 @@ def _muon_optimizer(
         **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
+    num_ranks = dist.get_world_size(dp_group)
     line = (
         f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
-        f"({dist.get_world_size(dp_group)} ranks)"
+        f"({num_ranks} {'rank' if num_ranks == 1 else 'ranks'})"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
