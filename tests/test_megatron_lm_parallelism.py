@@ -41,7 +41,7 @@ import torch
 
 from tests.harness import run_on_ranks
 from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls, assert_same_losses
-from tests.torchrun import MegatronRun, run_megatron
+from tests.torchrun import MUON_FLAGS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -80,8 +80,6 @@ def assert_close(value: float, expected: float, what: str) -> None:
 @pytest.fixture(scope="module")
 def hsdp_run() -> MegatronRun:
     """Muon, HSDP on 4 ranks (2 replicas of 2-way ``optim``), without ``--overlap-grad-reduce``."""
-    from tests.torchrun import MUON_FLAGS
-
     return run_megatron([*MUON_FLAGS, *HSDP_FLAGS], nproc=4)
 
 
