@@ -1,5 +1,6 @@
-"""Test-wide settings: one thread per process (REFERENCE.md section 1), deterministic seeds; the
-DP=1 reference run of Megatron-LM's loop that several test modules compare with."""
+"""Test-wide settings: one thread per process (a second thread adds nothing on a shared 2-core
+machine), deterministic seeds; the DP=1 reference run of Megatron-LM's loop that several test
+modules compare with."""
 
 import pytest
 import torch
