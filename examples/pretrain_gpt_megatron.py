@@ -7,9 +7,10 @@ from megatron_muon.integrations.megatron_lm import install; install()  # noqa: E
 # builder (``gpt_config_from_args``), the data from Megatron's ``BlendedMegatronDatasetBuilder``
 # (``--mock-data``, or a user's indexed dataset via ``--data-path``), and training is
 # ``megatron.training.pretrain``. The only megatron-muon line is the first one: ``install()`` (see
-# ``megatron_muon.integrations.megatron_lm``). Tensor parallelism works
-# (``--tensor-model-parallel-size``, every ``--muon-tp-mode``); pipeline and context parallelism
-# are left out to keep the script short.
+# ``megatron_muon.integrations.megatron_lm``). Batches are built as Megatron-LM's ``get_batch``
+# builds them. Tensor (every ``--muon-tp-mode``), expert and data parallelism (HSDP too); no
+# pipeline parallelism (megatron-core 0.19.2's Megatron-FSDP cannot wrap a pipeline stage) and no
+# context parallelism (it needs Transformer Engine's attention): see the README's parallelism table.
 #
 # Two CPU ranks (gloo), tiny GPT, mock data::
 #
@@ -32,39 +33,74 @@ from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
+from megatron.core.parallel_state import (
+    get_context_parallel_group,
+    get_hybrid_data_context_parallel_groups,
+)
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import get_batch_on_this_tp_rank
+from megatron.core.utils import (
+    flatten_batch_for_packed_sequences,
+    get_batch_on_this_cp_rank,
+    get_batch_on_this_tp_rank,
+)
 from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
 
-_BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+# The keys Megatron-LM's pretrain_gpt.py moves and broadcasts (its BATCH_KEYS, alphabetical).
+_BATCH_KEYS = (
+    "attention_mask",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+    "hybrid_cp_group",
+    "labels",
+    "local_cp_size",
+    "loss_mask",
+    "max_seqlen",
+    "position_ids",
+    "tokens",
+)
+_MODEL_INPUTS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 def get_batch(data_iterator) -> tuple[torch.Tensor | None, ...]:
-    """The next micro-batch on this rank; TP rank 0 reads it and broadcasts to its TP group."""
+    """The next micro-batch, built as Megatron-LM's ``pretrain_gpt.get_batch`` builds it (PP = 1).
+
+    TP rank 0 reads the batch and moves it with ``.cuda(non_blocking=True)`` (without a GPU the
+    CPU stand-ins keep it on the CPU); megatron-core's ``get_batch_on_this_tp_rank`` broadcasts
+    it over the TP group, then ``flatten_batch_for_packed_sequences`` and
+    ``get_batch_on_this_cp_rank``, as in Megatron-LM's script.
+    """
     args = get_args()
     batch: dict = {}
     tp_rank = mpu.get_tensor_model_parallel_rank()
     if tp_rank == 0:
         batch = next(data_iterator)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        batch = {k: (v.to(device) if v is not None else None) for k, v in batch.items()}
+        for key in _BATCH_KEYS:
+            value = batch.get(key)
+            batch[key] = value.cuda(non_blocking=True) if value is not None else None
     batch = get_batch_on_this_tp_rank(
         batch,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
         has_cu_seqlens=False,
         is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-        broadcast_group=mpu.get_tensor_model_parallel_group(),
-        cp_size=1,
+        cp_size=args.context_parallel_size,
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
         mtp_on_this_rank=False,
     )
-    return tuple(batch.get(key) for key in _BATCH_KEYS)
+    batch = flatten_batch_for_packed_sequences(batch)
+    batch = get_batch_on_this_cp_rank(
+        batch,
+        is_hybrid_cp=False,
+        cp_group=get_context_parallel_group(),
+        hybrid_cp_group_func=get_hybrid_data_context_parallel_groups,
+    )
+    return tuple(batch.get(key) for key in _MODEL_INPUTS)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -123,7 +159,10 @@ def main() -> None:
     """Parse Megatron's flags (ours are added by ``install()``), build the config, train."""
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
-        raise ValueError("this example supports tensor and data parallelism only (PP = CP = 1)")
+        raise ValueError(
+            "this example supports tensor, expert and data parallelism only: "
+            "--pipeline-model-parallel-size and --context-parallel-size must be 1"
+        )
     train_valid_test_datasets_provider.is_distributed = True
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

@@ -32,12 +32,17 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
   the module-level name ``torch`` only inside the modules listed in ``_DEVICE_REDIRECT_MODULES``.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
   ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
-- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router and the
-  tensor-parallel mappings (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a CPU
-  router weight to ``current_device()`` before every forward (router.py:98), i.e. to ``cuda:0``;
-  ``tensor_parallel.mappings`` allocates its all-gather / reduce-scatter / all-to-all outputs on
-  ``current_device()`` (mappings.py:95, 145, 185, 447), which the MoE token dispatcher runs over
-  the expert tensor-parallel group (expert TP > 1).
+- ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router and
+  ``tensor_parallel.mappings`` (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a
+  CPU router weight to ``current_device()`` before every forward (router.py:98), i.e. to
+  ``cuda:0``; with expert parallelism the token gathers allocate with
+  ``device=current_device()`` (mappings.py:145, both dispatchers) and the all-to-all's output
+  with ``input.new_empty(..., device=current_device())`` (:444); with expert tensor parallelism
+  the token dispatcher's all-gather / reduce-scatter over the expert TP group likewise
+  (mappings.py:95, 185).
+- the all-to-all dispatcher's split sizes become NumPy arrays (``maybe_move_tensor_to_cpu`` in
+  ``token_dispatcher``): it moves them to the host only when ``is_cuda``, and gloo's
+  ``all_to_all_single`` rejects tensor split sizes.
 
 Tensor parallelism (TP > 1):
 
@@ -50,6 +55,9 @@ Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_t
 of everything above; section 8):
 
 - ``torch.cuda.synchronize`` -> no-op: the loop's timers synchronize before reading the clock.
+- ``Tensor.cuda()`` -> the tensor itself: Megatron-LM's ``pretrain_gpt.py`` moves each batch with
+  ``.cuda(non_blocking=True)`` in its own ``get_batch`` (the user's script: no module-level
+  redirect reaches it), as does ``training.dummy_train_step``.
 - ``megatron.training.arguments.get_device_arch_version`` -> 0: ``validate_args`` asks the GPU's
   compute capability for Megatron-FSDP's stream priorities.
 - ``initialize_megatron(allow_no_cuda=True)``: it asserts a GPU is present unless told otherwise.
@@ -103,6 +111,8 @@ _TRAINING_REDIRECT_MODULES = [
 # Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.
 _CURRENT_DEVICE_CPU_MODULES = [
     "megatron.core.transformer.moe.router",
+    # Expert parallelism's all-to-all: torch.empty(..., device=current_device()) in the gathers,
+    # input.new_empty(..., device=current_device()) for the uneven all-to-all's output.
     "megatron.core.tensor_parallel.mappings",
 ]
 
@@ -164,6 +174,7 @@ def install(extra_redirect_modules: list[str] | None = None) -> None:
         _patch_gradient_reduce_preprocessing(package)
         _patch_coalesced_param_gather(package)
     _patch_mcore_fsdp_adapter()
+    _patch_moe_split_sizes_to_host()
     _redirect_module_devices()
     _patch_clip_grads_type_check()
     _INSTALLED = True
@@ -447,6 +458,32 @@ def _redirect_module_devices() -> None:
             module.torch = _TORCH_PROXY_CPU_CURRENT_DEVICE
 
 
+def _patch_moe_split_sizes_to_host() -> None:
+    """The all-to-all dispatcher's split sizes become host (NumPy) values, as on a GPU.
+
+    ``MoEAlltoAllTokenDispatcher`` computes its all-to-all split sizes on the device and moves them
+    to the host with ``moe_utils.maybe_move_tensor_to_cpu(t, as_numpy=True)``, which does nothing
+    to a tensor that is not ``is_cuda``: on CPU the sizes stay tensors, and gloo's
+    ``all_to_all_single`` rejects tensor split sizes ("incompatible function arguments").
+    """
+    try:
+        dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    except ImportError:
+        return
+    original = dispatcher.maybe_move_tensor_to_cpu
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()  # a host copy, as the GPU path makes
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    to_host._cpu_stand_in = True  # type: ignore[attr-defined]
+    dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 # --------------------------------------------------------------------------------------------------
 # clip_grads' type assert
 # --------------------------------------------------------------------------------------------------
@@ -506,11 +543,23 @@ def install_for_training() -> None:
     if _TRAINING_INSTALLED:
         return
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.Tensor.cuda = _cuda_stays_on_cpu  # type: ignore[method-assign]
     _patch_training_arguments()
     _patch_training_initialize()
     _patch_dataset_helpers()
     _patch_fsdp_default_device()
     _TRAINING_INSTALLED = True
+
+
+def _cuda_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.cuda()`` on a machine without a GPU: the tensor itself, on CPU.
+
+    Megatron-LM's ``pretrain_gpt.py`` moves every batch with ``batch[key].cuda(non_blocking=True)``
+    in its ``get_batch`` (so does ``megatron.training.training.dummy_train_step``); that code is
+    the user's script, out of reach of a module-level redirect, and without a GPU the call can only
+    fail ("Found no NVIDIA driver").
+    """
+    return self
 
 
 def _patch_training_arguments() -> None:

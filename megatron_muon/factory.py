@@ -29,7 +29,6 @@ every rank (checkpoint keys must not depend on which rank holds rows, section 8)
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,18 +48,16 @@ from megatron.core.optimizer_param_scheduler import combine_param_group_override
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer import TransformerConfig
-from megatron.core.utils import log_single_rank
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.console import print_rank_0
 from megatron_muon.qk_clip import QKClip, find_self_attentions
 from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import FsdpStepWrapper, unwrap_megatron_fsdp
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam"]
-
-logger = logging.getLogger(__name__)
 
 # Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
@@ -117,7 +114,7 @@ def build_muon_optimizer(
 
     Returns:
         ``FsdpStepWrapper`` around an ``FsdpChainedOptimizer``; ``.routing`` lists where each param
-        went and ``.summary_lines`` the lines logged at build time.
+        went and ``.summary_lines`` the lines printed (rank 0) at build time.
 
     Raises:
         ValueError: unknown optimizer name, fp16, a Muon param that is not a matrix, params that
@@ -181,8 +178,8 @@ def build_muon_optimizer(
             f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
             f"strategy {strategy}"
         )
-    for line in summary:
-        log_single_rank(logger, logging.INFO, line)
+    for line in summary:  # rank 0, at any logging level: which optimizer took which weights
+        print_rank_0(line)
 
     qk_clip = _qk_clip(fsdp_config, chunks, pg_collection, fsdp_modules)
     if qk_clip is not None:
@@ -190,7 +187,7 @@ def build_muon_optimizer(
             f"megatron-muon QK-clip: threshold {qk_clip.threshold:g} on "
             f"{len(qk_clip.attentions)} attention layers"
         )
-        log_single_rank(logger, logging.INFO, summary[-1])
+        print_rank_0(summary[-1])
 
     chained = FsdpChainedOptimizer(optimizers)
     wrapper = FsdpStepWrapper(
@@ -467,9 +464,10 @@ def _muon_optimizer(
         **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
+    num_ranks = dist.get_world_size(dp_group)
     line = (
         f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
-        f"({dist.get_world_size(dp_group)} ranks)"
+        f"({num_ranks} {'rank' if num_ranks == 1 else 'ranks'})"
     )
     tp_name = "expt_tp" if is_expert else "tp"
     tp_group = getattr(pg_collection, tp_name, None) if pg_collection is not None else None

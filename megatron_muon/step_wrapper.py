@@ -39,20 +39,17 @@ place into the accumulated buffer: pass False to accumulate.
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
-from megatron.core.utils import log_single_rank
 
+from megatron_muon.console import print_rank_0
 from megatron_muon.layout import local_tensor
 from megatron_muon.qk_clip import QKClip, QKClipStats
 
 __all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
-
-logger = logging.getLogger(__name__)
 
 
 def megatron_fsdp_classes() -> tuple[type, ...]:
@@ -98,8 +95,8 @@ class FsdpStepWrapper(MegatronOptimizer):
             ``step()`` call it (a custom loop: forward, backward, ``optimizer.step()``).
         qk_clip: MuonClip's ``QKClip`` over the model's attention layers, built on the optimizer
             params (row shards) before the first forward; ``clip()`` runs after every inner step
-            and its ``QKClipStats`` is kept in ``last_qk_clip`` and logged (rank 0, INFO). None:
-            no QK-clip.
+            and its ``QKClipStats`` is kept in ``last_qk_clip``; a step that clipped heads prints
+            ``QK-clip: N heads clipped ...`` on rank 0 (at any logging level). None: no QK-clip.
     """
 
     def __init__(
@@ -123,7 +120,7 @@ class FsdpStepWrapper(MegatronOptimizer):
         self.qk_clip = qk_clip
         #: The last step's QK-clip (heads clipped, largest max logit); None before or without it.
         self.last_qk_clip: QKClipStats | None = None
-        #: Where each param went and the lines logged at build time (set by the factory).
+        #: Where each param went and the lines printed at build time (set by the factory).
         self.routing: list[Any] = []
         self.summary_lines: list[str] = []
 
@@ -145,13 +142,12 @@ class FsdpStepWrapper(MegatronOptimizer):
         if self.qk_clip is not None:
             # On the main weights' row shards, before they are installed into the compute weights.
             self.last_qk_clip = self.qk_clip.clip()
-            log_single_rank(
-                logger,
-                logging.INFO,
-                f"QK-clip: {self.last_qk_clip.num_clipped_heads} heads clipped "
-                f"(max logit {self.last_qk_clip.max_logit:.4g}, "
-                f"threshold {self.qk_clip.threshold:g})",
-            )
+            if self.last_qk_clip.num_clipped_heads:
+                print_rank_0(
+                    f"QK-clip: {self.last_qk_clip.num_clipped_heads} heads clipped "
+                    f"(max logit {self.last_qk_clip.max_logit:.4g}, "
+                    f"threshold {self.qk_clip.threshold:g})"
+                )
         for module in self.fsdp_modules:
             module.install_optimized_model_weights()
             module.start_param_sync()

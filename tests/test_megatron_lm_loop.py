@@ -3,7 +3,8 @@
 Every launch runs ``examples/pretrain_gpt_megatron.py`` under ``torchrun`` on CPU/gloo ranks
 (tiny GPT: 2 layers, hidden 64, mock data; ``tests/torchrun.py``) and reads the loop's own log
 lines. These are the slowest tests of the project (a launch is 10-40 s on 2 shared cores), so one
-launch serves several checks: the DP=1 Muon run is the reference of all four strategies, and the
+launch serves several checks: the DP=1 Muon run (``muon_dp1``, tests/conftest.py, shared with
+tests/test_megatron_lm_parallelism.py) is the reference of all four strategies, and the
 optim_grads_params run also writes the checkpoints the resume test starts from.
 
 Numerics: Muon runs with ``--muon-fp32-matmul-prec high``. Under the default "medium",
@@ -22,17 +23,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.torchrun import MegatronRun, run_megatron
+from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-NUM_ITERS = 6
 SAVE_AT = 3
-MUON_FLAGS = [
-    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
-    *("--train-iters", str(NUM_ITERS)),
-]
 RELATIVE_TOLERANCE = 1e-5  # the log prints 7 significant digits
 
 
@@ -63,12 +59,6 @@ def _strategy(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("megatron_lm_ckpt")
-
-
-@pytest.fixture(scope="module")
-def muon_dp1() -> MegatronRun:
-    """The DP=1 reference: the same global batch (4) in 4 micro-batches on one rank."""
-    return run_megatron([*MUON_FLAGS, *_strategy("optim_grads_params")], nproc=1)
 
 
 _DP2_RUNS: dict[str, MegatronRun] = {}

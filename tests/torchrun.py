@@ -45,6 +45,13 @@ TINY_GPT_CPU_FLAGS = [
     *("--use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
 ]
 
+# Muon in the loop tests: fp32 Newton-Schulz matmuls (tests/test_megatron_lm_loop.py says why).
+NUM_ITERS = 6
+MUON_FLAGS = [
+    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
+    *("--train-iters", str(NUM_ITERS)),
+]
+
 _ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 _FIELD = re.compile(r"\s*([a-z][a-z ]*[a-z]):\s*([-+0-9.eE]+|nan|inf)\s*$")
 

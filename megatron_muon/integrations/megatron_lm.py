@@ -24,6 +24,9 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied)
    ``--qk-clip`` is taken over there too: megatron-muon's ``QKClip`` clips the main weights'
    row shards with Megatron's ``--qk-clip-threshold``, Megatron's own ``clip_qk`` (on the
    compute weights, TE only) does not run (``_take_over_qk_clip``).
+   HSDP (``--num-distributed-optimizer-instances`` > 1) turns ``--overlap-grad-reduce`` on, with
+   a warning (``_reduce_grads_across_hsdp_replicas``): without it megatron-core 0.19.2's
+   Megatron-FSDP never reduces gradients across the HSDP replicas.
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
    left alone): exactly when ``config.optimizer == "muon"`` and a model chunk is wrapped by
@@ -173,6 +176,7 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
                 "megatron-core): use --bf16 or fp32"
             )
         _take_over_qk_clip(args)
+        _reduce_grads_across_hsdp_replicas(args)
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
@@ -211,6 +215,31 @@ def _take_over_qk_clip(args: argparse.Namespace) -> None:
     if getattr(args, "qk_clip", False):
         args.qk_clip = False
         args.muon_qk_clip = True
+
+
+def _reduce_grads_across_hsdp_replicas(args: argparse.Namespace) -> None:
+    """HSDP with Muon: ``--overlap-grad-reduce`` is turned on, with a warning.
+
+    Under HSDP (``--num-distributed-optimizer-instances`` > 1) megatron-core 0.19.2's
+    Megatron-FSDP reduces across the replicas (DP-outer group) only in its overlapped per-bucket
+    reduction; with ``overlap_grad_reduce=False`` ``finish_grad_sync`` reduces over the inner
+    group alone and each replica steps on its part of the batch, silently (tiny GPT, 4 ranks, 2
+    replicas, ``optim``: iteration-1 grad norm 1.197, the 1-rank run's 2.002). Megatron-FSDP
+    forces the flag itself for ``optim_grads``/``optim_grads_params``; the overlapped reduction
+    computes the same sums. Announced as ``validate_args`` announces its own changes
+    (``warn_rank_0``). Adam with HSDP is left as stock megatron-core has it.
+    """
+    if getattr(args, "num_distributed_optimizer_instances", 1) <= 1 or args.overlap_grad_reduce:
+        return
+    from megatron.training.utils import warn_rank_0
+
+    args.overlap_grad_reduce = True
+    warn_rank_0(
+        "megatron-muon: HSDP (--num-distributed-optimizer-instances "
+        f"{args.num_distributed_optimizer_instances}) with Megatron-FSDP reduces gradients across "
+        "its replicas only with --overlap-grad-reduce: turning --overlap-grad-reduce on.",
+        getattr(args, "rank", None),
+    )
 
 
 # --------------------------------------------------------------------------------------------------
