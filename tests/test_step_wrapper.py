@@ -207,8 +207,6 @@ def _bf16_steps(rank: int, world_size: int) -> dict:
     losses, norms = [], []
     for _ in range(3):
         optimizer.zero_grad()
-        with optimizer.fsdp_modules[0].no_sync():
-            pass
         loss = gpt_parity.loss_of(wrapped, mine, mine_labels)
         loss.backward()
         ok, grad_norm, _ = optimizer.step()
