@@ -645,11 +645,21 @@ def _read_marker(path: str) -> dict[str, Any]:
 
 
 def _install_model_weights(chunks: list[nn.Module]) -> None:
-    """Copies the (loaded) main weights into Megatron-FSDP's compute weights, as after a step."""
+    """Makes the forward read the (loaded) main weights. Collective over each chunk's DP group.
+
+    ``install_optimized_model_weights`` copies them into the compute weights' own shard; gathered
+    copies that Megatron-FSDP keeps between forwards (every bucket under ``optim``/``optim_grads``,
+    where the compute weights are whole; the non-FSDP-unit buckets under ``optim_grads_params``)
+    are marked stale by ``synchronize_param_gather`` and gathered anew by ``start_param_sync`` or
+    the next forward, as after an optimizer step. Measured without this: an eval after loading
+    into a trained model gave the trained model's loss (5.630 instead of the checkpoint's 5.558).
+    """
     for chunk in chunks:
         fsdp = unwrap_megatron_fsdp(chunk)
         if fsdp is not None:
             fsdp.install_optimized_model_weights()
+            fsdp.synchronize_param_gather()
+            fsdp.start_param_sync()
 
 
 def _local_row_chunk(param: torch.Tensor) -> ChunkStorageMetadata | None:
