@@ -232,12 +232,50 @@ def _get_batch(data_iterator: Any) -> tuple[torch.Tensor | None, ...]:
     return tuple(batch.get(key) for key in keys)
 
 
+# A loss this many times the largest one seen so far is "spiky" (Megatron-LM's pretrain_gpt.py).
+SPIKY_LOSS_FACTOR = 10
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """This rank's summed token loss, its token count and the report, checked as Megatron-LM does.
+
+    As in Megatron-LM's ``pretrain_gpt.py``: with ``--check-for-nan-in-loss-and-grad`` (Megatron's
+    default) a NaN or Inf local loss fails validation in Megatron's rerun state machine (fatal:
+    Megatron reruns the step to attribute the fault, then stops the run); with
+    ``--check-for-spiky-loss`` a loss ``SPIKY_LOSS_FACTOR`` times the largest so far is reported.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+
+    args = get_args()
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for rejection_func, kind in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(
+                result=loss,
+                rejection_func=rejection_func,
+                message=f"found {kind} in local forward loss calculation",
+                tolerance=0.0,  # the forward is deterministic
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                rerun_state_machine.is_unexpectedly_large,
+                threshold=SPIKY_LOSS_FACTOR,
+                context="loss",
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
     return loss, num_tokens, {"lm loss": report}
 
 

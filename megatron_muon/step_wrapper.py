@@ -169,7 +169,9 @@ class FsdpStepWrapper(MegatronOptimizer):
                 )
         self._give_empty_shards_a_grad()
         result = self.inner.step()
-        if self.qk_clip is not None:
+        # A skipped step (non-finite grad norm, on every rank) leaves the weights as they were;
+        # the logits recorded since the last clip then count toward the next one.
+        if self.qk_clip is not None and result[0]:
             # On the main weights' row shards, before they are installed into the compute weights.
             self.last_qk_clip = self.qk_clip.clip()
             log_single_rank(
