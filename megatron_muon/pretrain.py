@@ -108,11 +108,17 @@ def config_flags(path: str | Path) -> list[str]:
     bracketed strings (``moe_layer_freq: [0, 1]`` -> ``--moe-layer-freq [0,1]``).
 
     Raises:
-        ValueError: a key that is no flag of Megatron's, ours or this entry point's.
+        ValueError: the file is not a mapping, or a key is no flag of Megatron's, ours or this
+            entry point's.
     """
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping of flag names (or of sections of them), got a "
+            f"{type(data).__name__}"
+        )
     items: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from megatron_muon.arguments import check_muon_args
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
 __all__ = [
@@ -174,6 +175,7 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
                 "megatron-core): use --bf16 or fp32"
             )
         _take_over_qk_clip(args)
+        check_muon_args(args)  # a bad value stops here, naming its flag
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
