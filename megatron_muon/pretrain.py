@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations import checkpoint_guard, megatron_lm
 
 __all__ = ["main", "add_pretrain_args", "CPU_FLAGS", "RunLog"]
 
@@ -473,6 +473,7 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
     megatron_lm.install()
+    checkpoint_guard.install()  # Adam state on every rank; a mismatched --load refused
     user_flags = list(sys.argv[1:] if argv is None else argv)
     config_path = _config_path(user_flags)
     from_config = config_flags(config_path) if config_path else []
