@@ -21,8 +21,11 @@ Loading (``verify``): each rank reads the marker and ``.metadata``, checks that 
 metadata references is listed, exists and has its size, and hashes ``.metadata`` and its share of
 the data files, before any state is touched.
 
-Cost of the hashes: each file is read once more, by one rank, at save and at load (SHA-256 ran at
-0.4-0.5 GB/s per core here); measured in ``tests/test_checkpoint_files.py``.
+Cost of the hashes: each file is read once more, by one rank, at save and at load (SHA-256 runs at
+0.4-0.5 GB/s per core on the project's CPU machine). Measured there side by side (hashes on, and
+replaced by a constant), megatron-core GPTModel, optim_grads_params, 2 gloo ranks, median of 5 on
+a shared machine (load average 13-18): 32 MB checkpoint, save 0.245 s vs 0.204 s, load 0.187 s
+vs 0.158 s; 216 MB, save 1.48 s vs 1.11 s, load 0.95 s vs 0.55 s (about +0.4 s per 216 MB).
 """
 
 from __future__ import annotations
