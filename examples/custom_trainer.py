@@ -3,9 +3,10 @@
 A megatron-core ``GPTModel`` wrapped by Megatron-FSDP (megatron-core ``FullyShardedDataParallel``),
 chained Muon (2-D hidden weights, ``ShardedMuon`` over ``dp_cp``) and AdamW (embeddings, output
 layer, biases, norms) from ``build_muon_optimizer``, trained on the embedded real text. The step
-wrapper the factory returns calls ``finish_grad_sync()`` (this loop does not reduce gradients
-itself: ``grads_already_synced=False``), clips, steps both optimizers, installs the new weights and
-starts the parameter sync.
+wrapper the factory returns reduces the gradients once, whatever the backward did
+(``megatron_muon.grad_sync``; this loop does not reduce them itself:
+``grads_already_synced=False``), clips, steps both optimizers, installs the new weights and starts
+the parameter sync.
 
 Run on 2 processes (CPU/gloo without a GPU, NCCL with one)::
 
@@ -94,7 +95,7 @@ def train(steps: int = 20, seq_length: int = 64, micro_batch: int = 4, lr: float
             .mean()
         )
         loss.backward()
-        ok, grad_norm, _ = optimizer.step()  # finish_grad_sync, step, install weights
+        ok, grad_norm, _ = optimizer.step()  # reduce grads once, step, install weights
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(float(mean_loss) / world)

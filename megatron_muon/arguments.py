@@ -21,7 +21,10 @@ megatron-muon's flags (each maps to one keyword of ``megatron_muon.ShardedMuon``
 - ``--muon-gram-restarts N [N ...]`` (default restarts): Gram NS restart iterations.
 - ``--muon-offload-momentum``: keep Muon momentum in CPU memory between steps.
 
-``sharded_muon_kwargs(args)`` turns parsed args into those keywords.
+``sharded_muon_kwargs(args)`` turns parsed args into those keywords, and ``check_muon_args(args)``
+checks the values of these flags and of Megatron's ``--muon-*`` flags where a Muon run reads them
+(``megatron_muon.integrations.megatron_lm`` calls it from ``validate_args``), with errors that name
+the flag.
 
 QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, read with
 ``qk_clip_threshold(args)``:
@@ -43,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "add_muon_args",
+    "check_muon_args",
     "sharded_muon_kwargs",
     "qk_clip_threshold",
     "FSDP_MODES",
@@ -152,11 +156,14 @@ def _add_megatron_muon_flags(
 def sharded_muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``ShardedMuon`` keywords that megatron-muon's flags set (defaults where absent)."""
     bucket_mb = getattr(args, "muon_fsdp_bucket_size_mb", None)
-    if bucket_mb is not None and bucket_mb <= 0:
-        raise ValueError(f"--muon-fsdp-bucket-size-mb must be positive, got {bucket_mb}")
+    bucket_bytes = None if bucket_mb is None else int(bucket_mb * 2**20)
+    if bucket_bytes is not None and bucket_bytes < 1:
+        raise ValueError(
+            f"--muon-fsdp-bucket-size-mb must be positive (at least one byte), got {bucket_mb}"
+        )
     return {
         "mode": getattr(args, "muon_fsdp_mode", "owner"),
-        "bucket_size_bytes": None if bucket_mb is None else int(bucket_mb * 2**20),
+        "bucket_size_bytes": bucket_bytes,
         "ns_method": getattr(args, "muon_ns_method", "standard"),
         "gram_half_dtype": getattr(args, "muon_gram_half_dtype", "float16"),
         "gram_restarts": getattr(args, "muon_gram_restarts", None),
@@ -177,3 +184,54 @@ def qk_clip_threshold(args: argparse.Namespace) -> float | None:
     if threshold is not None and not threshold > 0:
         raise ValueError(f"--qk-clip-threshold must be positive, got {threshold}")
     return threshold
+
+
+def check_muon_args(args: argparse.Namespace) -> None:
+    """Checks the Muon flags' values as the configs built from them will, naming the flag.
+
+    The rules are the configs' own (``MuonConfig``, ``NSConfig``, ``MuonFsdpConfig``); run at
+    argument validation, a bad value stops the run there with ``--flag VALUE: reason`` instead of
+    failing at optimizer build with the config's field name.
+
+    Raises:
+        ValueError: the first flag whose value is refused.
+    """
+    from megatron_muon.config import MuonConfig, MuonFsdpConfig
+    from megatron_muon.newton_schulz import NSConfig
+
+    steps = getattr(args, "muon_num_ns_steps", 5)
+    method = getattr(args, "muon_ns_method", "standard")
+    half = getattr(args, "muon_gram_half_dtype", "float16")
+    checks = [
+        ("--muon-momentum", "muon_momentum", lambda v: MuonConfig(momentum=v)),
+        ("--muon-num-ns-steps", "muon_num_ns_steps", lambda v: NSConfig(num_ns_steps=v)),
+        (
+            "--muon-coefficient-type",
+            "muon_coefficient_type",
+            lambda v: NSConfig(num_ns_steps=steps, coefficient_type=v),
+        ),
+        (
+            "--muon-gram-restarts",
+            "muon_gram_restarts",
+            lambda v: NSConfig(
+                num_ns_steps=steps, ns_method=method, gram_restarts=v, gram_half_dtype=half
+            ),
+        ),
+        (
+            "--muon-fsdp-bucket-size-mb",
+            "muon_fsdp_bucket_size_mb",
+            lambda v: sharded_muon_kwargs(args),
+        ),
+        ("--qk-clip-threshold", "qk_clip_threshold", lambda v: qk_clip_threshold(args)),
+    ]
+    for flag, name, build in checks:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        try:
+            build(value)
+        except ValueError as error:
+            reason = str(error)
+            message = reason if reason.startswith(flag) else f"{flag} {value}: {reason}"
+            raise ValueError(message) from None
+    MuonFsdpConfig.from_args(args)  # everything above, together

@@ -16,11 +16,17 @@ Here each rank adds up its local grad elements once per distinct piece of the fu
   shared params are skipped, as megatron-core does (``param_is_not_tensor_parallel_duplicate``).
 
 Clipping, the step and everything else stay ``ChainedOptimizer``'s: its ``step()`` calls
-``get_grad_norm()`` and then scales each local grad, which is right once the norm is.
+``get_grad_norm()`` and then scales each local grad, which is right once the norm is. One thing is
+added: a step whose global grad norm is NaN or Inf is skipped by every sub-optimizer, and
+``step()`` reports ``update_successful=False`` (what megatron-core's optimizers report for a step
+they skip). The norm is the same number on every rank, so every rank skips; stepping would let
+one rank's NaN gradient reach every weight (Muon's Newton-Schulz mixes all rows of a matrix, and
+the optimizer params are the FSDP main weights that every rank's forward reads).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -33,9 +39,12 @@ from megatron.core.optimizer.optimizer import (
     _is_separate_grad_norm_group,
 )
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.utils import log_single_rank
 from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["FsdpChainedOptimizer", "global_grad_norm", "global_num_zeros"]
+
+logger = logging.getLogger(__name__)
 
 
 def _replication(grad: torch.Tensor, group_size: int) -> int:
@@ -147,6 +156,8 @@ class FsdpChainedOptimizer(ChainedOptimizer):
     ) -> None:
         super().__init__(chained_optimizers)
         self.grad_stats_group = grad_stats_group
+        # Set by get_grad_norm, read (and cleared) by the step_with_ready_grads that follows it.
+        self._grad_norm_is_finite = True
         for optimizer in chained_optimizers:
             # Also the group of megatron-core's own per-optimizer reductions (grad-norm groups).
             optimizer.grad_stats_parallel_group = grad_stats_group
@@ -167,7 +178,26 @@ class FsdpChainedOptimizer(ChainedOptimizer):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """Global L2 norm of the grads outside separate grad-norm groups (e.g. MTP)."""
-        return self._norm(lambda p: not _is_separate_grad_norm_group(_get_param_grad_norm_group(p)))
+        norm = self._norm(lambda p: not _is_separate_grad_norm_group(_get_param_grad_norm_group(p)))
+        self._grad_norm_is_finite = math.isfinite(norm)
+        return norm
+
+    def step_with_ready_grads(self) -> bool:
+        """Steps every sub-optimizer; none when this step's global grad norm is NaN or Inf.
+
+        Returns:
+            False when the step was skipped (the weights and the optimizer state are unchanged).
+        """
+        finite, self._grad_norm_is_finite = self._grad_norm_is_finite, True
+        if not finite:
+            log_single_rank(
+                logger,
+                logging.WARNING,
+                "megatron-muon: the gradient norm is not finite (NaN or Inf in the gradients): "
+                "optimizer step skipped on every rank",
+            )
+            return False
+        return super().step_with_ready_grads()
 
     @torch.no_grad()
     def _get_grad_norm_for_group(self, grad_norm_group: str) -> float:

@@ -36,11 +36,15 @@ Invariants this module keeps:
   leave the rank's rows of that state unwritten. State is created without an optimizer step (a
   zero-grad step would apply decoupled weight decay: the dummy-step hazard, section 5), and Adam's
   per-param ``step`` is set to the real count, the maximum over the param's data-parallel mesh.
-- **Atomic saves.** DCP writes into ``<path>.incomplete``; once every rank has finished, rank 0
-  writes the completion marker ``megatron_muon_checkpoint.json`` (file list with sizes, param
-  shapes, optimizer kinds) and renames the directory to ``<path>``. An interrupted save leaves no
-  ``<path>``, and a directory without the marker or with a file missing never loads.
-- **Nothing half-loaded.** Before anything is read, every rank checks the marker, the files and the
+- **Whole or refused** (``megatron_muon.checkpoint_files``). Every rank checks its part of a save
+  (iteration, the params it holds, and, on rank 0, the pickled ``extra``, scheduler state and
+  param groups) before the first collective, and all ranks agree on the outcome, on the path and
+  on the param list; rank 0's ``<path>.incomplete`` must be visible to every rank; DCP writes
+  there; the completion marker ``megatron_muon_checkpoint.json`` lists every file DCP's metadata
+  references, with its size and SHA-256, and the directory is renamed to ``<path>``. An
+  interrupted save leaves no ``<path>``.
+- **Nothing half-loaded.** Before anything is read, every rank checks the marker, every file
+  DCP's metadata references (present, listed, same size; SHA-256 of its share of them) and the
   compatibility of model and optimizer with the checkpoint; all ranks agree on the outcome (one
   ``all_gather_object``) and raise the same error, naming what differs.
 
@@ -54,10 +58,8 @@ correspondence, and ``LoadedCheckpoint.rng_restored`` is False).
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
-import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -76,10 +78,21 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megatron_muon import checkpoint_files as files
+from megatron_muon.checkpoint_files import (
+    INCOMPLETE_SUFFIX,
+    MARKER_NAME,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
 from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import unwrap_megatron_fsdp
 
 __all__ = [
+    "INCOMPLETE_SUFFIX",
+    "MARKER_NAME",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -93,27 +106,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT = "megatron_muon.fsdp_dtensor"
-FORMAT_VERSION = 1
-MARKER_NAME = "megatron_muon_checkpoint.json"
-INCOMPLETE_SUFFIX = ".incomplete"
 _MAX_LISTED_DIFFERENCES = 8
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; nothing was changed."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint directory does not exist."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """The directory is not a finished checkpoint: no completion marker, or a file is missing."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """Saved from a different model or optimizer; the message names what differs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,8 +379,6 @@ def _manifest_body(inventory: _Inventory, iteration: int, has_scheduler: bool) -
             entry["state"] = list(_expected_state_keys(leaf, group))
         params[name] = entry
     return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
         "iteration": iteration,
         "world_size": dist.get_world_size(),
         "params": params,
@@ -542,114 +533,52 @@ def _restore_rng(state: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# collective agreement, files, weights install
+# ranks in agreement, weights install
 # --------------------------------------------------------------------------------------------------
 
 
-def _agree(error: BaseException | None) -> None:
-    """All ranks learn whether any rank failed; all raise the lowest failing rank's error."""
-    errors: list[Any] = [None] * dist.get_world_size()
-    payload = None if error is None else (type(error), str(error))
-    dist.all_gather_object(errors, payload)
-    for rank, item in enumerate(errors):
-        if item is not None:
-            kind, message = item
-            if error is not None and rank == dist.get_rank():
-                raise error
-            suffix = "" if dist.get_world_size() == 1 else f" (reported by rank {rank})"
-            try:
-                peer_error = kind(message + suffix)
-            except TypeError:  # an exception type whose constructor takes more than a message
-                peer_error = CheckpointError(f"{kind.__name__}: {message}{suffix}")
-            raise peer_error
-
-
-def _directory_files(path: str) -> dict[str, int]:
-    return {
-        name: os.path.getsize(os.path.join(path, name))
-        for name in sorted(os.listdir(path))
-        if os.path.isfile(os.path.join(path, name))
-    }
-
-
-def _fsync_directory(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _publish(temporary: str, path: str, manifest: dict[str, Any], overwrite: bool) -> None:
-    """Rank 0: writes the completion marker into ``temporary``, then renames it to ``path``."""
-    manifest = {**manifest, "files": _directory_files(temporary)}
-    marker = os.path.join(temporary, MARKER_NAME)
-    with open(marker, "w") as handle:
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    _fsync_directory(temporary)
-    previous = None
-    if os.path.exists(path):
-        if not overwrite:
-            raise FileExistsError(f"checkpoint {path} appeared during the save; not replacing it")
-        previous = path + ".replaced"
-        shutil.rmtree(previous, ignore_errors=True)
-        os.rename(path, previous)
-    os.rename(temporary, path)
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-
-
-def _read_marker(path: str) -> dict[str, Any]:
-    """This rank's view of checkpoint ``path``: its manifest, or the error naming what is wrong."""
-    if not os.path.isdir(path):
-        hint = ""
-        if os.path.isdir(path + INCOMPLETE_SUFFIX):
-            hint = f" ({path + INCOMPLETE_SUFFIX} exists: a save that did not finish)"
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{hint}")
-    marker = os.path.join(path, MARKER_NAME)
-    if not os.path.isfile(marker):
-        raise IncompleteCheckpointError(
-            f"checkpoint {path} is incomplete: no completion marker {MARKER_NAME} (the save was "
-            "interrupted, or this is not a megatron_muon checkpoint)"
+def _agree_on_ranks(error: BaseException | None, path: str, names: list[str]) -> None:
+    """Every rank raises the same error unless no rank failed, all passed the same ``path`` and
+    hold the same params in the same order (else DCP's collectives would fall out of step)."""
+    gathered = files.agree(error, (path, names))
+    paths = [p for p, _ in gathered]
+    if len(set(paths)) > 1:
+        raise CheckpointError(
+            "ranks passed different checkpoint paths (every rank must pass the same directory, "
+            f"on a shared file system): {dict(enumerate(paths))}"
         )
-    try:
-        with open(marker) as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise IncompleteCheckpointError(
-            f"checkpoint {path} is incomplete: its marker {MARKER_NAME} is unreadable ({error})"
-        ) from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} has format {manifest.get('format')} version "
-            f"{manifest.get('version')}; this reader expects {FORMAT} version {FORMAT_VERSION}"
-        )
-    for name, size in manifest["files"].items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            writer = ""
-            if name.startswith("__") and name.endswith(".distcp"):
-                writer = f" (rank {name[2:].split('_')[0]}'s shards)"
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: {name}{writer} is missing"
+    mine = gathered[0][1]
+    for rank, (_, theirs) in enumerate(gathered):
+        if theirs != mine:
+            position = next(
+                (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b),
+                min(len(mine), len(theirs)),
             )
-        if os.path.getsize(file) != size:
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} is incomplete: {name} has {os.path.getsize(file)} bytes, "
-                f"{size} were written"
+            on_0 = mine[position] if position < len(mine) else "nothing"
+            on_r = theirs[position] if position < len(theirs) else "nothing"
+            raise CheckpointError(
+                f"ranks hold different params: param {position} is {on_0} on rank 0 and {on_r} "
+                f"on rank {rank} ({len(mine)} and {len(theirs)} params); every rank must pass "
+                "the same model and optimizer"
             )
-    return manifest
 
 
 def _install_model_weights(chunks: list[nn.Module]) -> None:
-    """Copies the (loaded) main weights into Megatron-FSDP's compute weights, as after a step."""
+    """Makes the forward read the (loaded) main weights. Collective over each chunk's DP group.
+
+    ``install_optimized_model_weights`` copies them into the compute weights' own shard; gathered
+    copies that Megatron-FSDP keeps between forwards (every bucket under ``optim``/``optim_grads``,
+    where the compute weights are whole; the non-FSDP-unit buckets under ``optim_grads_params``)
+    are marked stale by ``synchronize_param_gather`` and gathered anew by ``start_param_sync`` or
+    the next forward, as after an optimizer step. Measured without this: an eval after loading
+    into a trained model gave the trained model's loss (5.630 instead of the checkpoint's 5.558).
+    """
     for chunk in chunks:
         fsdp = unwrap_megatron_fsdp(chunk)
         if fsdp is not None:
             fsdp.install_optimized_model_weights()
+            fsdp.synchronize_param_gather()
+            fsdp.start_param_sync()
 
 
 def _local_row_chunk(param: torch.Tensor) -> ChunkStorageMetadata | None:
@@ -782,52 +711,76 @@ def save_checkpoint(
         overwrite: replace an existing checkpoint at ``path`` (after the new one is complete).
 
     Returns:
-        The directory, its size in bytes (counted on rank 0, 0 on the others) and the seconds the
-        save took on this rank.
+        The directory (absolute), its size in bytes (counted on rank 0, 0 on the others) and the
+        seconds the save took on this rank.
+
+    Raises (on every rank alike, before anything is written unless it is an I/O error):
+        ValueError: ``iteration`` is not a non-negative int; a param the optimizer holds is not
+            one of ``model_chunks``'.
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+        CheckpointError: the ranks passed different paths or hold different params, or a rank
+            cannot see the directory rank 0 created.
+        Any error of pickling ``extra`` or the scheduler's state (rank 0's, on every rank).
     """
     start = time.perf_counter()
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
-    path = os.fspath(path)
-    temporary = path + INCOMPLETE_SUFFIX
-    chunks = _as_chunks(model_chunks)
-    inventory = _inventory(chunks, optimizer)
+    path = os.path.abspath(os.fspath(path))
     rank = dist.get_rank()
     error: BaseException | None = None
+    inventory: _Inventory | None = None
+    common: dict[str, Any] = {}
+    try:
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+        inventory = _inventory(_as_chunks(model_chunks), optimizer)
+        if rank == 0:
+            common = _rank0_common(inventory, iteration, extra, scheduler)
+    except Exception as caught:  # noqa: BLE001 - every rank must learn of it before a collective
+        error = caught
+    _agree_on_ranks(error, path, _names(inventory))
+    assert inventory is not None
+
+    error, token = None, None
     if rank == 0:
         try:
-            if os.path.exists(path) and not overwrite:
-                raise FileExistsError(f"checkpoint {path} exists (pass overwrite=True to replace)")
-            shutil.rmtree(temporary, ignore_errors=True)  # a previous save that did not finish
-            os.makedirs(temporary)
+            token = files.create_directory(path, overwrite)
         except OSError as caught:
             error = caught
-    _agree(error)
+    token = files.agree(error, token)[0]
+    error = None
+    try:
+        files.check_shared_directory(path, token)
+    except CheckpointError as caught:
+        error = caught
+    files.agree(error)
 
     ensure_optimizer_state(inventory.leaves)
-    common: dict[str, Any] = {f"rng.rank{rank}": _to_bytes(_capture_rng())}
-    if rank == 0:
-        # Written once: identical on every rank (DCP would keep an arbitrary rank's copy).
-        common["iteration"] = _to_bytes(int(iteration))
-        common["extra"] = _to_bytes(extra)
-        common["scheduler"] = _to_bytes(None if scheduler is None else scheduler.state_dict())
-        common["param_groups"] = _to_bytes(_param_groups_by_name(inventory))
+    common[f"rng.rank{rank}"] = _to_bytes(_capture_rng())
     state_dict = _state_dict(inventory)
     state_dict["common"] = common
     _attach_row_chunks(inventory, state_dict)
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(temporary))
-
-    error = None
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path + INCOMPLETE_SUFFIX))
+    files.publish(path, _manifest_body(inventory, int(iteration), scheduler is not None), overwrite)
     num_bytes = 0
     if rank == 0:
-        try:
-            manifest = _manifest_body(inventory, int(iteration), scheduler is not None)
-            _publish(temporary, path, manifest, overwrite)
-            num_bytes = sum(_directory_files(path).values())
-        except OSError as caught:
-            error = caught
-    _agree(error)
+        num_bytes = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
     return SavedCheckpoint(path=path, num_bytes=num_bytes, seconds=time.perf_counter() - start)
+
+
+def _names(inventory: _Inventory | None) -> list[str]:
+    return [] if inventory is None else [name for name, _ in inventory.params]
+
+
+def _rank0_common(
+    inventory: _Inventory, iteration: int, extra: Any, scheduler: Any
+) -> dict[str, bytes]:
+    """What rank 0 alone writes (identical on every rank; DCP would keep an arbitrary rank's
+    copy), pickled now, before any collective: an unpicklable ``extra`` fails here."""
+    return {
+        "iteration": _to_bytes(int(iteration)),
+        "extra": _to_bytes(extra),
+        "scheduler": _to_bytes(None if scheduler is None else scheduler.state_dict()),
+        "param_groups": _to_bytes(_param_groups_by_name(inventory)),
+    }
 
 
 def load_checkpoint(
@@ -856,18 +809,22 @@ def load_checkpoint(
         The saved iteration and ``extra``, the world size at save time, whether RNGs were restored.
 
     Raises:
-        CheckpointNotFoundError: ``path`` does not exist.
-        IncompleteCheckpointError: no completion marker, or a rank's file is missing or truncated.
+        CheckpointNotFoundError: ``path`` does not exist (what an interrupted save or overwrite
+            left next to it is named).
+        IncompleteCheckpointError: no or a damaged completion marker, or a file missing,
+            truncated or altered (SHA-256).
         CheckpointMismatchError: saved from a different model or optimizer (the message names it).
+        CheckpointError: the ranks passed different paths or hold different params.
     """
     start = time.perf_counter()
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     chunks = _as_chunks(model_chunks)
-    inventory = _inventory(chunks, optimizer)
     error: BaseException | None = None
+    inventory: _Inventory | None = None
     manifest: dict[str, Any] = {}
     try:
-        manifest = _read_marker(path)
+        inventory = _inventory(chunks, optimizer)
+        manifest = files.read_marker(path)
         current = _manifest_body(inventory, 0, scheduler is not None)
         differences = _differences(manifest, current, scheduler)
         if differences:
@@ -878,9 +835,11 @@ def load_checkpoint(
                 + "\n  ".join(listed)
                 + (f"\n  ... and {more} more" if more > 0 else "")
             )
-    except (CheckpointError, OSError, ValueError, KeyError) as caught:
+        files.verify(path, manifest)
+    except Exception as caught:  # noqa: BLE001 - every rank must learn of it before a collective
         error = caught
-    _agree(error)
+    _agree_on_ranks(error, path, _names(inventory))
+    assert inventory is not None
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
     restore_rng = load_rng and manifest["world_size"] == world_size

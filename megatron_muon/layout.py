@@ -30,15 +30,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 __all__ = [
-    "MeshAxes",
-    "RowLayout",
-    "TensorParallelSplit",
     "all_gather_single",
+    "check_same_params",
     "gather_row_layouts",
     "group_ranks",
     "local_tensor",
     "matrix_shape",
     "mesh_axes",
+    "MeshAxes",
+    "RowLayout",
+    "TensorParallelSplit",
 ]
 
 # ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns) in torch 2.13.
@@ -327,3 +328,38 @@ def _resolve_offsets(rows: list[list[int]]) -> list[int]:
             )
         )
     return offsets
+
+
+def check_same_params(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Every rank of ``group`` holds the same number of params with the same global shapes.
+
+    Collective over ``group`` (two small ``all_gather`` calls). Without it, ranks given different
+    param lists would enter the layout gather with different sizes (gloo: "Received data size
+    doesn't match") or pair different matrices up.
+
+    Raises:
+        ValueError: on every rank alike, naming the first param that differs.
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return
+    counts = torch.empty(world, dtype=torch.int64)
+    all_gather_single(counts, torch.tensor([len(params)], dtype=torch.int64), group=group)
+    if len(set(counts.tolist())) > 1:
+        raise ValueError(
+            f"ranks hold different numbers of params: {counts.tolist()} (ranks of the group in "
+            "order); every rank must give the optimizer the same params in the same order"
+        )
+    # Global shapes, padded to 3 dims (Muon params are 2-D or 3-D).
+    shapes = torch.tensor([list(p.shape) + [0] * (3 - p.ndim) for p in params], dtype=torch.int64)
+    gathered = torch.empty(world * len(params), 3, dtype=torch.int64)
+    all_gather_single(gathered, shapes.reshape(len(params), 3), group=group)
+    table = gathered.view(world, len(params), 3)
+    for index in range(len(params)):
+        per_rank = [tuple(d for d in table[r, index].tolist() if d) for r in range(world)]
+        if len(set(per_rank)) > 1:
+            raise ValueError(
+                f"param {index} has global shape {per_rank[0]} on the group's first rank but "
+                f"{next(s for s in per_rank if s != per_rank[0])} on another: every rank must "
+                "give the optimizer the same params in the same order"
+            )

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations import checkpoint_guard, megatron_lm
 
 __all__ = ["main", "add_pretrain_args", "CPU_FLAGS", "RunLog"]
 
@@ -108,11 +108,17 @@ def config_flags(path: str | Path) -> list[str]:
     bracketed strings (``moe_layer_freq: [0, 1]`` -> ``--moe-layer-freq [0,1]``).
 
     Raises:
-        ValueError: a key that is no flag of Megatron's, ours or this entry point's.
+        ValueError: the file is not a mapping, or a key is no flag of Megatron's, ours or this
+            entry point's.
     """
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"--config {path}: expected a mapping of flag names (or of sections of them), got a "
+            f"{type(data).__name__}"
+        )
     items: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):
@@ -232,12 +238,50 @@ def _get_batch(data_iterator: Any) -> tuple[torch.Tensor | None, ...]:
     return tuple(batch.get(key) for key in keys)
 
 
+# A loss this many times the largest one seen so far is "spiky" (Megatron-LM's pretrain_gpt.py).
+SPIKY_LOSS_FACTOR = 10
+
+
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
+    """This rank's summed token loss, its token count and the report, checked as Megatron-LM does.
+
+    As in Megatron-LM's ``pretrain_gpt.py``: with ``--check-for-nan-in-loss-and-grad`` (Megatron's
+    default) a NaN or Inf local loss fails validation in Megatron's rerun state machine (fatal:
+    Megatron reruns the step to attribute the fault, then stops the run); with
+    ``--check-for-spiky-loss`` a loss ``SPIKY_LOSS_FACTOR`` times the largest so far is reported.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
     report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])
+
+    args = get_args()
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for rejection_func, kind in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(
+                result=loss,
+                rejection_func=rejection_func,
+                message=f"found {kind} in local forward loss calculation",
+                tolerance=0.0,  # the forward is deterministic
+                fatal=True,
+            )
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                rerun_state_machine.is_unexpectedly_large,
+                threshold=SPIKY_LOSS_FACTOR,
+                context="loss",
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
     return loss, num_tokens, {"lm loss": report}
 
 
@@ -429,6 +473,7 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
     megatron_lm.install()
+    checkpoint_guard.install()  # Adam state on every rank; a mismatched --load refused
     user_flags = list(sys.argv[1:] if argv is None else argv)
     config_path = _config_path(user_flags)
     from_config = config_flags(config_path) if config_path else []

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,19 @@ from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange,
 from megatron_muon.layout import (
     RowLayout,
     TensorParallelSplit,
+    check_same_params,
     gather_row_layouts,
     group_ranks,
     local_tensor,
     mesh_axes,
 )
-from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
+from megatron_muon.newton_schulz import (
+    MuonScaleT,
+    NSConfig,
+    NSMethodT,
+    ns_flops,
+    orthogonalize_batch,
+)
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.split_newton_schulz import (
     split_bounds,
@@ -63,6 +70,21 @@ __all__ = ["ShardedMuon", "FsdpModeT", "StepStats"]
 
 FsdpModeT = Literal["owner", "gather"]
 _MODES = ("owner", "gather")
+_SCALE_MODES = get_args(MuonScaleT)
+
+
+def _check_hyperparameters(
+    lr: float, momentum: float, weight_decay: float, scale_mode: str
+) -> None:
+    """Refuses, at construction, values that would step uphill or fail only at the first step."""
+    if not lr >= 0.0:  # also NaN
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if scale_mode not in _SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {_SCALE_MODES}, got {scale_mode!r}")
 
 
 @dataclass(slots=True)
@@ -166,6 +188,7 @@ class ShardedMuon(TensorParallelMuon):
         offload_momentum: bool = False,
         min_split_flops: int = 10**11,
     ) -> None:
+        _check_hyperparameters(lr, momentum, weight_decay, scale_mode)
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if bucket_size_bytes is not None and bucket_size_bytes <= 0:
@@ -674,6 +697,7 @@ class ShardedMuon(TensorParallelMuon):
         """
         # Without torch.distributed (one process) every param is whole: DP size 1.
         dp_size = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+        check_same_params(params, self.dp_group)
         layouts = gather_row_layouts(params, self.dp_group)
         matrices = [i for i, p in enumerate(params) if p.ndim == 2]
         experts = [i for i, p in enumerate(params) if p.ndim == 3]

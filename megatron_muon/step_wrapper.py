@@ -4,12 +4,13 @@ Megatron-FSDP keeps two copies of every weight: the optimizer's params (DTensor 
 sharded over data-parallel ranks under optim/optim_grads/optim_grads_params) and the compute weights
 the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 and 9):
 
-1. the reduced gradients attached to the optimizer params: ``finish_grad_sync()`` on each
-   ``MegatronFSDP`` -- **only** when the training loop has not done it already. Megatron-LM's
-   ``train_step`` calls it inside ``finalize_model_grads``; a second call reduces the gradients a
-   second time and corrupts ``optim`` (ZeRO-1) training (section 9). Hence the explicit
-   ``grads_already_synced`` flag: False (default) for a custom loop that runs forward/backward and
-   calls ``optimizer.step()``; True inside Megatron-LM's loop.
+1. the reduced gradients attached to the optimizer params, reduced exactly once
+   (``megatron_muon.grad_sync.finish_grad_sync_once``): ``finish_grad_sync()`` alone is right only
+   when the backward's reduction matches ``overlap_grad_reduce``, so the wrapper reads from
+   Megatron-FSDP's own bookkeeping whether the last backward reduced and launches, waits for or
+   runs the one reduction. Inside Megatron-LM's loop ``finalize_model_grads`` has already called
+   ``finish_grad_sync()``: ``grads_already_synced=True`` says so, and ``step()`` then refuses to run
+   when a backward ran since (the gradients would be unreduced).
 2. the inner step: grad norm over all shards, clipping, every sub-optimizer;
 3. QK-clip (MuonClip), when a ``QKClip`` is given: the query/key rows of heads whose logits
    exceeded the threshold are scaled on the optimizer params' row shards, after the update and
@@ -18,18 +19,24 @@ the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 a
    and the params re-synced with ``start_param_sync()`` (as megatron-core's DistributedOptimizer
    does for Megatron-FSDP), once per ``MegatronFSDP``.
 
-Gradient accumulation: Megatron-FSDP accumulates the micro-batches' gradients in its buffers; the
-step runs once per optimizer step, on the accumulated gradient. A custom loop should drive the
-micro-batches as Megatron's schedule does: every micro-batch but the last under
-``module.no_sync()``, the last outside it, then ``optimizer.step()``; with
-``overlap_grad_reduce=True`` (megatron_fsdp.fully_shard_model's default) the last backward
-reduces and ``finish_grad_sync`` waits. Measured on CPU with megatron-core's wrapper and
-``overlap_grad_reduce=False`` under ``optim``: a backward outside ``no_sync()`` reduces and
-``finish_grad_sync`` reduces again (gradient norm 0.78x the true one on the tiny GPT; harmless
-under ``no_shard``, whose all-reduce of equal replicas is idempotent); there, run every
-micro-batch under ``no_sync()`` and let ``finish_grad_sync`` reduce once.
-``fully_shard_model``'s default ``sync_model_each_microbatch=True`` reduces every micro-batch in
-place into the accumulated buffer: pass False to accumulate.
+Every loop below is right under every sharding strategy, with ``overlap_grad_reduce`` on or off
+and either wrapper (megatron-core's ``FullyShardedDataParallel``, ``fully_shard_model``):
+
+- the plain loop: ``optimizer.zero_grad(); loss.backward(); optimizer.step()``;
+- gradient accumulation over micro-batches, plain (several backwards, then ``step()``: they
+  accumulate in Megatron-FSDP's buffers and the step reduces once), or as Megatron's schedule
+  does it: every micro-batch but the last under ``module.no_sync()``, the last outside it (its
+  backward then launches the reduction, overlapped with the backward when
+  ``overlap_grad_reduce=True``);
+- Megatron-LM's loop (``grads_already_synced=True``).
+
+Under HSDP the DP-outer reduction runs only in a backward outside ``no_sync()``, so there gradient
+accumulation takes Megatron's way (``grad_sync.prepare_next_backwards``).
+
+``fully_shard_model``'s default ``sync_model_each_microbatch=True`` reduces every backward in place
+into the accumulated buffer, so gradient accumulation needs it False; together with
+``overlap_grad_reduce=False`` under ``optim`` Megatron-FSDP reduces twice in the backward, and the
+wrapper refuses that module (``grad_sync.check_sync_settings``).
 
 ``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class (the
 ``megatron_fsdp`` package and megatron-core's vendored one) and megatron-core's
@@ -46,6 +53,11 @@ import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from megatron_muon.console import print_rank_0
+from megatron_muon.grad_sync import (
+    check_sync_settings,
+    finish_grad_sync_once,
+    prepare_next_backwards,
+)
 from megatron_muon.layout import local_tensor
 from megatron_muon.qk_clip import QKClip, QKClipStats
 
@@ -92,7 +104,8 @@ class FsdpStepWrapper(MegatronOptimizer):
         fsdp_modules: the ``MegatronFSDP`` modules (one per model chunk).
         grads_already_synced: True when the training loop calls ``finish_grad_sync()`` itself
             before ``step()`` (Megatron-LM's ``finalize_model_grads``); False (default) makes
-            ``step()`` call it (a custom loop: forward, backward, ``optimizer.step()``).
+            ``step()`` reduce the gradients once (a custom loop: forward, backward,
+            ``optimizer.step()``; see the module docstring).
         qk_clip: MuonClip's ``QKClip`` over the model's attention layers, built on the optimizer
             params (row shards) before the first forward; ``clip()`` runs after every inner step
             and its ``QKClipStats`` is kept in ``last_qk_clip``; a step that clipped heads prints
@@ -113,6 +126,9 @@ class FsdpStepWrapper(MegatronOptimizer):
                 raise TypeError(
                     f"FsdpStepWrapper needs MegatronFSDP modules, got {type(module).__name__}"
                 )
+            check_sync_settings(module)
+            if not grads_already_synced:
+                prepare_next_backwards(module)
         super().__init__(inner, inner.config)
         self.inner = inner
         self.fsdp_modules = list(fsdp_modules)
@@ -130,16 +146,29 @@ class FsdpStepWrapper(MegatronOptimizer):
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
-        """finish_grad_sync (unless synced) -> inner step -> QK-clip -> install weights + sync.
+        """Gradients reduced once -> inner step -> QK-clip -> install weights + sync.
 
         Collective: every rank must call it.
+
+        Raises:
+            RuntimeError: ``grads_already_synced=True`` but a backward ran after the loop's last
+                ``finish_grad_sync()``.
         """
-        if not self.grads_already_synced:
-            for module in self.fsdp_modules:
-                module.finish_grad_sync()
+        for module in self.fsdp_modules:
+            if not self.grads_already_synced:
+                finish_grad_sync_once(module)
+            elif module.microbatch_count:
+                raise RuntimeError(
+                    f"grads_already_synced=True, but {module.microbatch_count} backward pass(es) "
+                    "ran since the last finish_grad_sync(): their gradients are not reduced. Call "
+                    "finish_grad_sync() on every chunk before step() (Megatron-LM's "
+                    "finalize_model_grads does), or build with grads_already_synced=False"
+                )
         self._give_empty_shards_a_grad()
         result = self.inner.step()
-        if self.qk_clip is not None:
+        # A skipped step (non-finite grad norm, on every rank) leaves the weights as they were;
+        # the logits recorded since the last clip then count toward the next one.
+        if self.qk_clip is not None and result[0]:
             # On the main weights' row shards, before they are installed into the compute weights.
             self.last_qk_clip = self.qk_clip.clip()
             if self.last_qk_clip.num_clipped_heads:

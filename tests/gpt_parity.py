@@ -8,6 +8,7 @@ The reference is written out here by hand (names -> optimizer, weight decay on m
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +29,28 @@ CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at 
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: wrapper, strategy and loop flavour."""
+    """One training run: wrapper, strategy and loop flavour.
+
+    The loop (``train``): one optimizer step per batch, the batch's ``num_microbatches``
+    backwards before it. ``accumulate="no_sync"`` runs every micro-batch but the last under
+    ``no_sync()`` (Megatron's schedule), ``"plain"`` runs them all outside it; with one
+    micro-batch both are the plain loop zero_grad -> backward -> step. ``megatron_loop`` is
+    Megatron-LM's loop: its schedule enters ``no_sync()`` (only with ``overlap_grad_reduce``, as
+    ``train()`` sets ``config.no_sync_func``) around every micro-batch but the last, then
+    ``finalize_model_grads`` calls ``finish_grad_sync()``, and the optimizer is built with
+    ``grads_already_synced=True``.
+    """
 
     # "mcore" / "mcore_hsdp" (FullyShardedDataParallel), "fully_shard" / "fully_shard_hsdp"
     wrapper: str
     strategy: str
     num_microbatches: int = 1
-    megatron_loop: bool = False  # loop calls finish_grad_sync itself (grads_already_synced=True)
+    megatron_loop: bool = False
     mode: str = "owner"
+    overlap_grad_reduce: bool = True
+    accumulate: str = "no_sync"  # or "plain"
+    # fully_shard_model's sync_model_each_microbatch; None: True for one micro-batch, else False.
+    sync_model_each_microbatch: bool | None = None
 
 
 def optimizer_config(**overrides):
@@ -131,7 +146,7 @@ def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
             data_parallel_sharding_strategy=run.strategy,
             use_megatron_fsdp=True,
             gradient_reduce_div_fusion=False,
-            overlap_grad_reduce=True,
+            overlap_grad_reduce=run.overlap_grad_reduce,
             **hsdp,
         )
         return FullyShardedDataParallel(model.config, ddp_config, model, device=torch.device("cpu"))
@@ -154,7 +169,11 @@ def wrap(model: torch.nn.Module, run: Run, world_size: int) -> torch.nn.Module:
         hsdp = {}
     # The default (True) reduces every micro-batch's gradient in place into the accumulated buffer
     # under no_shard/optim: gradient accumulation needs it off (megatron_fsdp's own advice).
-    kwargs = {"sync_model_each_microbatch": run.num_microbatches == 1}
+    sync_each = run.sync_model_each_microbatch
+    kwargs = {
+        "sync_model_each_microbatch": run.num_microbatches == 1 if sync_each is None else sync_each,
+        "overlap_grad_reduce": run.overlap_grad_reduce,
+    }
     if run.strategy == "optim_grads_params":
         kwargs["fsdp_unit_modules"] = [TransformerLayer]
     return megatron_fsdp.fully_shard_model(
@@ -272,22 +291,7 @@ def train(run: Run, rank: int, world_size: int, steps: int, moe: bool = False) -
         reference_loss, reference_norm, reference_zeros = reference.step(tokens, labels)
         optimizer.zero_grad()
         mine = tokens.view(world_size, -1, SEQ)[rank], labels.view(world_size, -1, SEQ)[rank]
-        losses = []
-        # Megatron's schedule: every micro-batch but the last under no_sync(), so gradients are
-        # reduced once, in the last backward (overlap_grad_reduce), and finish_grad_sync waits.
-        micro = list(
-            zip(
-                mine[0].chunk(run.num_microbatches),
-                mine[1].chunk(run.num_microbatches),
-                strict=True,
-            )
-        )
-        with fsdp.no_sync():
-            for tok, lab in micro[:-1]:
-                losses.append(_backward(wrapped, tok, lab, run.num_microbatches))
-        losses.append(_backward(wrapped, *micro[-1], run.num_microbatches))
-        if run.megatron_loop:
-            fsdp.finish_grad_sync()  # what Megatron-LM's finalize_model_grads does
+        losses = _forward_backward(run, wrapped, fsdp, *mine)
         ok, grad_norm, num_zeros = optimizer.step()
         assert ok
         loss_sum = torch.tensor([sum(losses)])
@@ -308,6 +312,27 @@ def train(run: Run, rank: int, world_size: int, steps: int, moe: bool = False) -
         "routing": [(r.name, r.optimizer, r.is_expert) for r in optimizer.routing],
         "summary": list(optimizer.summary_lines),
     }
+
+
+def _forward_backward(run: Run, model, fsdp, tokens, labels) -> list[float]:
+    """One optimizer step's micro-batches, forward and backward, as ``run``'s loop drives them."""
+    micro = list(
+        zip(tokens.chunk(run.num_microbatches), labels.chunk(run.num_microbatches), strict=True)
+    )
+    if run.megatron_loop:
+        no_sync = fsdp.no_sync if run.overlap_grad_reduce else contextlib.nullcontext
+    elif run.accumulate == "no_sync" and len(micro) > 1:
+        no_sync = fsdp.no_sync
+    else:
+        no_sync = contextlib.nullcontext
+    losses = []
+    with no_sync():
+        for tok, lab in micro[:-1]:
+            losses.append(_backward(model, tok, lab, run.num_microbatches))
+    losses.append(_backward(model, *micro[-1], run.num_microbatches))
+    if run.megatron_loop:
+        fsdp.finish_grad_sync()  # what Megatron-LM's finalize_model_grads does
+    return losses
 
 
 def _backward(model, tokens, labels, num_microbatches: int) -> float:

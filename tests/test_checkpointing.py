@@ -597,7 +597,7 @@ def test_adam_state_into_muon_is_named(tmp_path):
 
 def _interrupted_save(rank, world_size, path) -> dict:
     """A save whose publish step fails on rank 0 (as if killed after the DCP writes)."""
-    from megatron_muon import checkpointing
+    from megatron_muon import checkpoint_files, checkpointing
 
     wrapped, optimizers, scheduler = _build(world_size, "optim")
     _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
@@ -605,7 +605,7 @@ def _interrupted_save(rank, world_size, path) -> dict:
     def crash(*args, **kwargs):
         raise OSError("simulated crash before the completion marker")
 
-    checkpointing._publish = crash
+    checkpoint_files.publish = crash
     try:
         checkpointing.save_checkpoint(path, wrapped, optimizers, scheduler, iteration=1)
     except OSError as error:

@@ -40,8 +40,6 @@ def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
         wd_incr_steps=10,
         wd_incr_style="linear",
     )
-    with optimizer.fsdp_modules[0].no_sync():  # a bare loop: as Megatron's schedule leaves it
-        pass
 
     def train(steps: int, first: int) -> None:
         for step in range(first, first + steps):
@@ -99,8 +97,6 @@ def _gpt_full_state(rank, world_size, strategy, path, save) -> dict:
     model = gpt_parity.build_gpt(moe=True)
     wrapped = gpt_parity.wrap(model, gpt_parity.Run("mcore", strategy), world_size)
     optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
-    with optimizer.fsdp_modules[0].no_sync():
-        pass
     if save:
         for step in range(2):
             tokens, labels = gpt_parity.batch(step, world_size)
@@ -125,3 +121,47 @@ def test_factory_moe_checkpoint_saved_at_dp2_loads_at_dp1_with_state_on_the_righ
             assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
     experts = [n for n in saved["state"] if ".experts." in n]
     assert experts and all(saved["state"][n]["momentum_buffer"].abs().sum() > 0 for n in experts)
+
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _rollback_one(rank: int, world_size: int, strategy: str, path: str) -> tuple:
+    """(eval loss when saved, after 2 more steps and an eval, after loading the checkpoint back)."""
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
+
+    def mine(step: int) -> list[torch.Tensor]:
+        tokens, labels = gpt_parity.batch(step, world_size)
+        return [t.view(world_size, -1, gpt_parity.SEQ)[rank] for t in (tokens, labels)]
+
+    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(), gpt_parity.Run("mcore", strategy), world_size)
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    losses = []
+    for step in range(3):
+        optimizer.zero_grad()
+        gpt_parity.loss_of(wrapped, *mine(step)).backward()
+        optimizer.step()
+        if step == 0:
+            save_checkpoint(path, [wrapped], optimizer, iteration=1)
+        if step in (0, 2):
+            with torch.no_grad():
+                losses.append(float(gpt_parity.loss_of(wrapped, *mine(99))))
+    load_checkpoint(path, [wrapped], optimizer)
+    with torch.no_grad():
+        losses.append(float(gpt_parity.loss_of(wrapped, *mine(99))))
+    return tuple(losses)
+
+
+def _rollback(rank: int, world_size: int, root: str) -> dict[str, tuple[float, float, float]]:
+    gpt_parity.init_megatron()
+    return {s: _rollback_one(rank, world_size, s, f"{root}/{s}") for s in STRATEGIES}
+
+
+def test_loading_into_a_trained_model_makes_the_forward_use_the_loaded_weights(tmp_path):
+    # In-process rollback: the main weights are the checkpoint's after the load, and the compute
+    # weights the forward reads must be too (Megatron-FSDP keeps gathered copies between forwards).
+    for result in run_on_ranks(_rollback, 2, str(tmp_path), timeout=300):
+        assert all(trained != saved for saved, trained, _ in result.values())  # training moved it
+        wrong = {s: (loaded, saved) for s, (saved, _, loaded) in result.items() if loaded != saved}
+        assert not wrong, f"eval loss after the load vs when saved: {wrong}"

@@ -1,44 +1,71 @@
 """``python -m megatron_muon.pretrain`` on 2 CPU ranks: Megatron's own loop on the embedded text.
 
-One ``torchrun`` launch (the slow part, 10-40 s): Muon on Megatron-FSDP (optim_grads_params) trains
-a tiny GPT on the standard library's byte tokens; the loss falls, the progress lines, the JSON log
-(train and validation records) and the plot are written.
+``torchrun`` launches are the slow part (10-40 s each): Muon on Megatron-FSDP (optim_grads_params)
+trains a tiny GPT on the standard library's byte tokens (the loss falls, the progress lines, the
+JSON log and the plot are written) and resumes from its checkpoint; a NaN gradient on one rank
+stops the run with the weights of the last good step; ``--optimizer adam`` saves at DP=2; the Muon
+checkpoint loaded into an Adam run is refused. In-process: the loss checks, the flag and config
+errors.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.torchrun import REPO, run_megatron
+from tests.harness import run_on_ranks
+from tests.torchrun import (
+    REPO,
+    MegatronRun,
+    TorchrunFailure,
+    parse_iteration_lines,
+    run_megatron,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes(
-    tmp_path: Path,
-) -> None:
+ENTRY = ["-m", "megatron_muon.pretrain"]
+# A tiny GPT on the embedded text, Muon on Megatron-FSDP; the config's run shape is overridden
+# (command-line flags win) to stay fast.
+FLAGS = [
+    *("--config", str(REPO / "configs" / "tiny-cpu.yaml")),
+    *("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
+    *("--data-parallel-sharding-strategy optim_grads_params").split(),
+    *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64").split(),
+    *("--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8").split(),
+    *("--train-iters 12 --lr 0.01 --lr-decay-style constant --log-interval 1").split(),
+    *("--eval-interval 6 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split(),
+]
+
+
+# Fewer iterations than the config's warm-up, no evaluation.
+SHORT_RUN = ["--lr-warmup-iters", "0", "--eval-iters", "0", "--eval-interval", "1000"]
+
+
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronRun, Path]:
+    """12 iterations on 2 ranks with --log-json, --plot and checkpoints at 6 and 12."""
     pytest.importorskip("matplotlib")
-    log_json, plot = tmp_path / "run.json", tmp_path / "loss.png"
-    flags = [
-        # The config's run shape, overridden below (command-line flags win) to stay fast.
-        *("--config", str(REPO / "configs" / "tiny-cpu.yaml")),
-        *("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
-        *("--data-parallel-sharding-strategy optim_grads_params").split(),
-        *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64").split(),
-        *("--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8").split(),
-        *("--train-iters 12 --lr 0.01 --lr-decay-style constant --log-interval 1").split(),
-        *("--eval-interval 6 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0").split(),
-    ]
-    checkpoints = tmp_path / "checkpoints"
+    root = tmp_path_factory.mktemp("pretrain")
     run = run_megatron(
-        [*flags, *("--log-json", str(log_json), "--plot", str(plot))]
-        + ["--save", str(checkpoints), "--save-interval", "6"],
+        [*FLAGS, *("--log-json", str(root / "run.json"), "--plot", str(root / "loss.png"))]
+        + ["--save", str(root / "checkpoints"), "--save-interval", "6"],
         nproc=2,
-        entry=["-m", "megatron_muon.pretrain"],
+        entry=ENTRY,
     )
+    return run, root
+
+
+def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes(
+    muon_run: tuple[MegatronRun, Path], tmp_path: Path
+) -> None:
+    run, root = muon_run
     progress = [
         line
         for text in run.rank_outputs.values()
@@ -47,27 +74,93 @@ def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes
     ]
     assert len(progress) == 12, progress
     assert "tokens/s" in progress[-1] and "optimizer" in progress[-1]
-    log = json.loads(log_json.read_text())
+    log = json.loads((root / "run.json").read_text())
     losses = [record["train_loss"] for record in log["train"]]
     assert [record["iteration"] for record in log["train"]] == list(range(1, 13))
     # Per-iteration losses are noisy (one small batch each): compare the first and last thirds.
     assert sum(losses[-4:]) < 0.85 * sum(losses[:4]), losses
     assert [record["iteration"] for record in log["valid"] if not record.get("final")] == [6, 12]
     assert all(0.0 < record["optimizer_share"] < 1.0 for record in log["train"])
-    assert plot.stat().st_size > 0
+    assert (root / "loss.png").stat().st_size > 0
     print(f"\npretrain entry: train loss {losses}, valid {log['valid']} ({run.wall_s:.1f} s)")
 
     # Save at iteration 6, resume: iterations 7-12 give the uninterrupted run's losses exactly.
     resumed_json = tmp_path / "resumed.json"
     run_megatron(
-        [*flags, "--log-json", str(resumed_json)]
-        + ["--load", str(checkpoints), "--ckpt-step", "6", "--no-load-rng"],
+        [*FLAGS, "--log-json", str(resumed_json)]
+        + ["--load", str(root / "checkpoints"), "--ckpt-step", "6", "--no-load-rng"],
         nproc=2,
-        entry=["-m", "megatron_muon.pretrain"],
+        entry=ENTRY,
     )
     resumed = json.loads(resumed_json.read_text())["train"]
     assert [record["iteration"] for record in resumed] == list(range(7, 13))
     assert [record["train_loss"] for record in resumed] == losses[6:]
+
+
+# --------------------------------------------------------------------------------------------------
+# faults: a NaN gradient, Adam's lazy state, a checkpoint of another optimizer
+# --------------------------------------------------------------------------------------------------
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere_and_stops_the_run() -> None:
+    from tests.pretrain_fault_driver import FAULT_VARIABLE
+
+    # Rank 1's backward of iteration 3 yields NaN gradients; its loss stays finite. Before: the
+    # step ran, Muon spread NaN to every weight, the run trained to the end with NaN losses and
+    # exit 0 ("number of nan iterations: 0").
+    with pytest.raises(TorchrunFailure) as failure:
+        run_megatron(
+            [*FLAGS, *SHORT_RUN, "--train-iters", "6"],
+            nproc=2,
+            entry=[str(REPO / "tests" / "pretrain_fault_driver.py")],
+            env={FAULT_VARIABLE: "1:3"},
+            timeout=200,
+        )
+    text = str(failure.value)
+    for rank in range(2):
+        assert f"--- rank {rank} stderr.log" in text
+    assert text.count("iteration 3: found nan in the global gradient norm") >= 2, text[-4000:]
+    assert "the optimizer step was skipped on every rank" in text
+    logged = parse_iteration_lines(text)
+    assert max(logged) == 2, logged  # stopped in iteration 3, before its log line
+    assert all(math.isfinite(fields["lm loss"]) for fields in logged.values()), logged
+
+
+def test_adam_with_megatron_fsdp_saves_at_dp2_with_a_rank_holding_empty_shards(
+    tmp_path: Path,
+) -> None:
+    # Stock megatron-core creates Adam's state lazily: a rank with 0 rows of a param has none,
+    # and the fsdp_dtensor save hung ("Storing distributed optimizer sharded state").
+    flags = [flag if flag != "muon" else "adam" for flag in FLAGS]
+    run = run_megatron(
+        [*flags, *SHORT_RUN, "--train-iters", "2"]
+        + ["--save", str(tmp_path / "adam"), "--save-interval", "2"],
+        nproc=2,
+        entry=ENTRY,
+        timeout=200,
+    )
+    assert sorted(run.iterations) == [1, 2]
+    assert (tmp_path / "adam" / "iter_0000002" / ".metadata").is_file()
+
+
+def test_a_muon_checkpoint_loaded_into_an_adam_run_is_refused_naming_both(
+    muon_run: tuple[MegatronRun, Path],
+) -> None:
+    _, root = muon_run
+    flags = [flag if flag != "muon" else "adam" for flag in FLAGS]
+    with pytest.raises(TorchrunFailure) as failure:
+        run_megatron(
+            [*flags, "--load", str(root / "checkpoints"), "--ckpt-step", "6", "--no-load-rng"],
+            nproc=2,
+            entry=ENTRY,
+            timeout=200,
+        )
+    text = str(failure.value)
+    assert text.count("CheckpointMismatchError") >= 2, text[-4000:]
+    assert (
+        "holds optimizer state ['exp_avg', 'exp_avg_sq', 'momentum_buffer', 'step'], this run's "
+        "--optimizer adam keeps ['exp_avg', 'exp_avg_sq', 'step']"
+    ) in text
 
 
 def test_config_flags_turn_yaml_sections_into_megatron_flags(tmp_path: Path) -> None:
@@ -86,3 +179,64 @@ def test_config_flags_turn_yaml_sections_into_megatron_flags(tmp_path: Path) -> 
     config.write_text("model:\n  num_layerz: 2\n")
     with pytest.raises(ValueError, match="num_layerz"):
         config_flags(config)
+
+
+def test_config_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path: Path) -> None:
+    from megatron_muon.pretrain import config_flags
+
+    config = tmp_path / "list.yaml"
+    config.write_text("- num_layers: 2\n- lr: 0.01\n")
+    with pytest.raises(ValueError, match=r"--config .*list.yaml: expected a mapping .* got a list"):
+        config_flags(config)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ("--muon-fsdp-bucket-size-mb 1e-9", "--muon-fsdp-bucket-size-mb must be positive"),
+        ("--muon-momentum 1.5", "--muon-momentum 1.5: muon_momentum must be in [0, 1)"),
+        ("--muon-num-ns-steps 0", "--muon-num-ns-steps 0: num_ns_steps must be at least 1"),
+        ("--muon-coefficient-type bogus", "--muon-coefficient-type bogus: unknown"),
+        ("--muon-ns-method gram --muon-gram-restarts 7", "--muon-gram-restarts [7]: gram restarts"),
+    ],
+)
+def test_bad_muon_flag_values_are_refused_naming_the_flag(flags: str, message: str) -> None:
+    from megatron_muon.arguments import add_muon_args, check_muon_args
+
+    args = add_muon_args(argparse.ArgumentParser()).parse_args(flags.split())
+    with pytest.raises(ValueError) as error:
+        check_muon_args(args)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+def _loss_checks(rank: int, world_size: int) -> dict:
+    from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
+    from megatron.training.global_vars import set_args
+
+    from megatron_muon.pretrain import _loss_func
+
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
+    mask = torch.ones(2, 4)
+    results = {}
+    for check in (True, False):
+        set_args(
+            argparse.Namespace(check_for_nan_in_loss_and_grad=check, check_for_spiky_loss=False)
+        )
+        for kind, value in (("nan", float("nan")), ("inf", float("inf"))):
+            output = torch.ones(2, 4)
+            output[1, 2] = value
+            try:
+                _loss_func(mask, output)
+                results[(check, kind)] = None
+            except RuntimeError as error:
+                results[(check, kind)] = str(error)
+    return results
+
+
+def test_loss_function_validates_nan_and_inf_losses_as_megatron_does() -> None:
+    # Megatron-LM's pretrain_gpt.py checks each rank's local loss through the rerun state machine
+    # (fatal); --no-check-for-nan-in-loss-and-grad turns the check off.
+    (results,) = run_on_ranks(_loss_checks, 1)
+    assert "found NaN in local forward loss calculation" in results[(True, "nan")]
+    assert "found Inf in local forward loss calculation" in results[(True, "inf")]
+    assert results[(False, "nan")] is None and results[(False, "inf")] is None

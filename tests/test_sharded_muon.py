@@ -385,3 +385,23 @@ def test_runs_in_a_single_process_without_torch_distributed():
         reference.step()
     for p, ref in zip(params, reference_params, strict=True):
         assert torch.equal(p, ref)  # one matrix per shape: the same 2-D NS call, bitwise
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ({"lr": -0.01}, "lr must be >= 0, got -0.01"),
+        ({"lr": float("nan")}, "lr must be >= 0, got nan"),
+        ({"momentum": 1.0}, "momentum must be in [0, 1), got 1.0"),
+        ({"momentum": -0.1}, "momentum must be in [0, 1), got -0.1"),
+        ({"weight_decay": -0.05}, "weight_decay must be >= 0, got -0.05"),
+        ({"scale_mode": "spectrum"}, "scale_mode must be one of"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_at_construction(override, message):
+    # A negative lr steps uphill; a bad scale_mode used to fail only inside the first step.
+    from megatron_muon import ShardedMuon
+
+    with pytest.raises(ValueError) as error:
+        ShardedMuon([torch.nn.Parameter(torch.randn(8, 4))], **{**MUON_KWARGS, **override})
+    assert str(error.value).startswith(message), str(error.value)

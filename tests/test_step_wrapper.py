@@ -8,6 +8,8 @@ and recognising Megatron-FSDP modules by class.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -207,8 +209,6 @@ def _bf16_steps(rank: int, world_size: int) -> dict:
     losses, norms = [], []
     for _ in range(3):
         optimizer.zero_grad()
-        with optimizer.fsdp_modules[0].no_sync():
-            pass
         loss = gpt_parity.loss_of(wrapped, mine, mine_labels)
         loss.backward()
         ok, grad_norm, _ = optimizer.step()
@@ -236,3 +236,50 @@ def test_bf16_model_trains_with_fp32_main_params_and_no_float16_optimizer_wrappe
         assert all(torch.isfinite(torch.tensor(result["losses"] + result["norms"])))
         assert result["losses"][-1] < result["losses"][0]
         assert result["changed"] == result["nonempty"]
+
+
+def _nan_gradient_on_rank_1(rank: int, world_size: int) -> dict:
+    from megatron_muon import build_muon_optimizer
+    from megatron_muon.checkpointing import leaf_optimizers
+    from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
+
+    gpt_parity.init_megatron()
+    run = Run("mcore", "optim_grads_params")
+    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(), run, world_size)
+    optimizer = build_muon_optimizer(gpt_parity.optimizer_config(), [wrapped])
+    results = []
+    snapshots = []
+    for step in range(3):
+        tokens, labels = gpt_parity.batch(step, world_size)
+        mine = [t.view(world_size, -1, gpt_parity.SEQ)[rank] for t in (tokens, labels)]
+        optimizer.zero_grad()
+        loss = gpt_parity.loss_of(wrapped, *mine)
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")  # NaN gradients on rank 1 only
+        loss.backward()
+        snapshots.append(_local_snapshot(wrapped, leaf_optimizers(optimizer)))
+        ok, grad_norm, _ = optimizer.step()
+        results.append((ok, grad_norm))
+    snapshots.append(_local_snapshot(wrapped, leaf_optimizers(optimizer)))
+    unchanged = True
+    try:
+        _assert_bitwise_equal(snapshots[1], snapshots[2], "the skipped step")
+    except AssertionError:
+        unchanged = False
+    finite = all(
+        bool(torch.isfinite(tensor).all())
+        for tensor in [*snapshots[3]["params"].values()]
+        + [t for state in snapshots[3]["state"].values() for t in state.values()]
+    )
+    return {"results": results, "unchanged": unchanged, "finite_after": finite}
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank_and_changes_nothing():
+    # Before: the step ran, and Muon's Newton-Schulz spread the NaN to whole matrices on every
+    # rank (the main weights every rank's forward reads).
+    for rank, result in enumerate(run_on_ranks(_nan_gradient_on_rank_1, 2, timeout=120)):
+        (ok_0, norm_0), (ok_1, norm_1), (ok_2, norm_2) = result["results"]
+        assert ok_0 and ok_2 and math.isfinite(norm_0) and math.isfinite(norm_2), result
+        assert not ok_1 and math.isnan(norm_1), (rank, result["results"])
+        assert result["unchanged"], f"rank {rank}: weights or state changed by the skipped step"
+        assert result["finite_after"], f"rank {rank}: NaN in weights or state"

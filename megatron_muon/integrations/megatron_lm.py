@@ -51,11 +51,13 @@ import argparse
 import functools
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from megatron_muon.arguments import check_muon_args
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
 __all__ = [
@@ -177,6 +179,7 @@ def _accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any)
             )
         _take_over_qk_clip(args)
         _reduce_grads_across_hsdp_replicas(args)
+        check_muon_args(args)  # a bad value stops here, naming its flag
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
@@ -309,16 +312,21 @@ def _build_for_megatron_loop(
         fsdp_config=MuonFsdpConfig.from_args(args) if args is not None else None,
         grads_already_synced=True,
     )
-    return _with_fsdp_dtensor_checkpoints(built, model_chunks)
+    # Megatron's default; off with --no-check-for-nan-in-loss-and-grad.
+    stop = getattr(args, "check_for_nan_in_loss_and_grad", True) if args is not None else True
+    return _with_fsdp_dtensor_checkpoints(built, model_chunks, stop_on_nonfinite_grad_norm=stop)
 
 
-def _with_fsdp_dtensor_checkpoints(built: Any, model_chunks: Any) -> Any:
+def _with_fsdp_dtensor_checkpoints(
+    built: Any, model_chunks: Any, *, stop_on_nonfinite_grad_norm: bool = True
+) -> Any:
     """The factory's step wrapper, as ``MegatronCheckpointedOptimizer`` (same parts)."""
     optimizer = MegatronCheckpointedOptimizer(
         built.inner,
         built.fsdp_modules,
         grads_already_synced=built.grads_already_synced,
         model_chunks=model_chunks,
+        stop_on_nonfinite_grad_norm=stop_on_nonfinite_grad_norm,
     )
     for name in ("routing", "summary_lines", "qk_clip"):
         if hasattr(built, name):
@@ -347,8 +355,14 @@ class MegatronCheckpointedOptimizer(FsdpStepWrapper):
     (the Megatron-FSDP optimizer params, e.g. ``module.module.decoder.layers.0...``), with
     Megatron's expert renaming, which ``handle_swiglu_in_state_dict`` resolves on the model.
 
+    A step whose global gradient norm is NaN or Inf is skipped on every rank (the chained
+    optimizer's rule); with ``stop_on_nonfinite_grad_norm`` (Megatron's
+    ``--check-for-nan-in-loss-and-grad``, on by default) ``step()`` then raises on every rank, so
+    the run stops as Megatron stops on a NaN gradient, with the weights of the last good step.
+
     Args:
         model_chunks: the chunks as ``get_megatron_optimizer`` received them (Megatron's wrappers).
+        stop_on_nonfinite_grad_norm: raise after skipping a step with a NaN or Inf grad norm.
         The rest: ``FsdpStepWrapper``'s.
     """
 
@@ -359,10 +373,39 @@ class MegatronCheckpointedOptimizer(FsdpStepWrapper):
         *,
         grads_already_synced: bool,
         model_chunks: Any,
+        stop_on_nonfinite_grad_norm: bool = True,
     ) -> None:
         super().__init__(inner, fsdp_modules, grads_already_synced=grads_already_synced)
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         self.named_chunks = list(chunks)
+        self.stop_on_nonfinite_grad_norm = stop_on_nonfinite_grad_norm
+
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """``FsdpStepWrapper.step``; raises after a skipped step with a NaN or Inf grad norm.
+
+        Raises:
+            RuntimeError: the grad norm is not finite and ``stop_on_nonfinite_grad_norm`` (on every
+                rank alike: the norm is global).
+        """
+        result = super().step()
+        update_successful, grad_norm, _ = result
+        if (
+            self.stop_on_nonfinite_grad_norm
+            and not update_successful
+            and grad_norm is not None
+            and not math.isfinite(grad_norm)
+        ):
+            args = _megatron_args()
+            iteration = getattr(args, "curr_iteration", None)
+            where = f"iteration {iteration + 1}: " if iteration is not None else ""
+            raise RuntimeError(
+                f"{where}found {grad_norm} in the global gradient norm (a NaN or Inf gradient on "
+                "some rank): the optimizer step was skipped on every rank, the weights are the "
+                "last good step's. Stopping, as Megatron-LM does with "
+                "--check-for-nan-in-loss-and-grad (pass --no-check-for-nan-in-loss-and-grad to "
+                "skip such steps and train on)"
+            )
+        return result
 
     def _names(self) -> dict[int, str]:
         from megatron.core.transformer.fsdp_dtensor_checkpoint import (
