@@ -216,6 +216,7 @@ def test_loss_check_rejects_a_flat_no_shard_run() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
     strategy: str, muon_dp1: MegatronRun, checkpoint_root: Path
@@ -257,6 +258,7 @@ def _load_checkpoint(directory: Path) -> dict[str, Any]:
     return flat
 
 
+@pytest.mark.multirank
 def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: Path) -> None:
     uninterrupted = muon_dp2("optim_grads_params", checkpoint_root)
     # A Muon matrix that some rank holds no rows of: its state must still exist on that rank.
@@ -317,6 +319,7 @@ def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: P
     )
 
 
+@pytest.mark.multirank
 def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
     flags = [
         *("--optimizer adam --lr 0.01 --train-iters 4").split(),

@@ -17,6 +17,7 @@ from tests.torchrun import REPO, run_megatron
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.multirank
 def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes(
     tmp_path: Path,
 ) -> None:
