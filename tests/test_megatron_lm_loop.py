@@ -200,8 +200,22 @@ def test_install_refuses_an_unchecked_megatron_core_version(
 
     from megatron_muon.integrations import megatron_lm
 
-    monkeypatch.setattr(package_info, "__shortversion__", "0.20.0")
-    with pytest.raises(RuntimeError, match="megatron-core 0.20.0 is installed"):
+    for version in ("0.20.0", "0.18.3", "0.19.0rc1"):
+        monkeypatch.setattr(package_info, "__version__", version)
+        with pytest.raises(RuntimeError, match=f"megatron-core {version} is installed") as error:
+            megatron_lm.install(cpu_stand_ins=False)
+        assert "megatron-core >=0.19.0,<0.20" in str(error.value)
+
+
+def test_install_accepts_every_checked_megatron_core_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.core import package_info
+
+    from megatron_muon.integrations import megatron_lm
+
+    for version in ("0.19.0", "0.19.2", "0.19.2+5e1a2b3"):
+        monkeypatch.setattr(package_info, "__version__", version)
         megatron_lm.install(cpu_stand_ins=False)
 
 
