@@ -39,6 +39,17 @@ def _step_both(optimizer, reference, params, reference_params, step: int) -> Non
     reference.step()
 
 
+def _assert_steps_equal_tensor_parallel_muon(optimizer, reference, params, reference_params):
+    """Two more steps of both: params and momentum bitwise equal (one matrix per shape)."""
+    for step in (1, 2):
+        _step_both(optimizer, reference, params, reference_params, step)
+    for p, ref in zip(params, reference_params, strict=True):
+        assert torch.equal(p, ref)
+        assert torch.equal(
+            optimizer.state[p]["momentum_buffer"], reference.state[ref]["momentum_buffer"]
+        )
+
+
 def test_a_param_added_with_add_param_group_gets_state_and_matches_tensor_parallel_muon():
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
@@ -51,13 +62,7 @@ def test_a_param_added_with_add_param_group_gets_state_and_matches_tensor_parall
     optimizer.add_param_group({"params": [params[2]], "lr": 0.01})
     reference.add_param_group({"params": [reference_params[2]], "lr": 0.01})
     assert params[2] not in optimizer.state or not optimizer.state[params[2]]
-    for step in (1, 2):
-        _step_both(optimizer, reference, params, reference_params, step)
-    for p, ref in zip(params, reference_params, strict=True):
-        assert torch.equal(p, ref)
-        assert torch.equal(
-            optimizer.state[p]["momentum_buffer"], reference.state[ref]["momentum_buffer"]
-        )
+    _assert_steps_equal_tensor_parallel_muon(optimizer, reference, params, reference_params)
 
 
 def test_a_tensor_parallel_muon_state_dict_without_a_momentum_loads_and_steps_like_it():
@@ -81,13 +86,7 @@ def test_a_tensor_parallel_muon_state_dict_without_a_momentum_loads_and_steps_li
     optimizer.load_state_dict(copy.deepcopy(state_dict))
     reference.load_state_dict(copy.deepcopy(state_dict))
     assert "momentum_buffer" not in optimizer.state[params[1]]
-    for step in (1, 2):
-        _step_both(optimizer, reference, params, reference_params, step)
-    for p, ref in zip(params, reference_params, strict=True):
-        assert torch.equal(p, ref)
-        assert torch.equal(
-            optimizer.state[p]["momentum_buffer"], reference.state[ref]["momentum_buffer"]
-        )
+    _assert_steps_equal_tensor_parallel_muon(optimizer, reference, params, reference_params)
 
 
 def _add_group_on_ranks(rank: int, world_size: int) -> dict:
