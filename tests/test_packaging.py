@@ -51,19 +51,20 @@ def test_every_pin_of_both_ci_runs_lies_in_the_declared_range():
 def test_the_oldest_run_installs_each_declared_lower_bound():
     declared, oldest = _declared(), _pins("constraints-oldest.txt")
     for name in STACK:
-        # torch's bound is 2.11.0a0 (container pre-releases); the run installs the 2.11.0 release.
+        # torch's bound is 2.8.0a0 (container pre-releases); the run installs the 2.8.0 release.
         assert _lower_bound(declared[name]).release == oldest[name].release, name
 
 
 @pytest.mark.parametrize(
     ("installed", "kept"),
     [
-        ("2.11.0a0+40b7ee3.nv26.01", True),  # an NGC container's build of 2.11
-        ("2.11.0", True),
+        ("2.8.0a0+5228986c39.nv25.06", True),  # an NGC container's build of 2.8
+        ("2.8.0", True),
+        ("2.11.0a0+40b7ee3.nv26.01", True),
         ("2.13.0+cu130", True),
         ("2.15.0", True),
-        ("2.10.0", False),
-        ("2.10.0a0+e7a1bc9.nv25.11", False),
+        ("2.7.1", False),
+        ("2.7.0a0+7c8ec84dab.nv25.03", False),
         ("3.0.0", False),
     ],
 )
