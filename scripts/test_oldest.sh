@@ -6,6 +6,7 @@
 #  3. the single-process tests (-m "not multirank") and one 2-rank factory parity test run there.
 # PyPI's Linux torch is the CUDA build (with its nvidia-* wheels; it runs on CPU without a GPU):
 # download.pytorch.org's CPU-only wheels are not reachable from every machine CI runs on.
+# TORCH_VERSION=X installs that torch instead (any version in pyproject's range must be kept too).
 # The install is skipped when the venv was built from the same files (a stamp file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,8 @@ VENV=${VENV_OLDEST:-.venv-oldest}
 PARITY_TEST=tests/test_factory.py::test_moe_gpt_routes_experts_to_the_expert_muon_and_matches_reference
 
 source scripts/find_python.sh
-torch_version=$(sed -n 's/^torch==//p' constraints-oldest.txt)
-stamp_key=$(cat pyproject.toml constraints-oldest.txt "$0" | sha256sum | cut -c1-16)
+torch_version=${TORCH_VERSION:-$(sed -n 's/^torch==//p' constraints-oldest.txt)}
+stamp_key=$(echo "$torch_version" | cat - pyproject.toml constraints-oldest.txt "$0" | sha256sum | cut -c1-16)
 stamp="$VENV/.installed-$stamp_key"
 if [ ! -f "$stamp" ]; then
   py=$(find_python)
