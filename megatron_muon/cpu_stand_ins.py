@@ -48,7 +48,7 @@ of everything above; section 8):
 - ``initialize_megatron(allow_no_cuda=True)``: it asserts a GPU is present unless told otherwise.
 - ``torch.cuda.device_count`` -> 1 and ``set_device`` -> no-op, during ``_initialize_distributed``
   only: model-parallel groups are created only when a GPU is counted.
-- ``_CpuRngTracker`` as Megatron's RNG tracker after ``_set_random_seed``: the training tracker
+- a CPU RNG tracker (``_cpu_rng_tracker_class``) after ``_set_random_seed``: the training tracker
   snapshots CUDA RNG states; on CPU the default generator is the only one, so ``fork`` is a null
   context (random ops inside it draw from the CPU generator, which checkpoints save). It keeps,
   per name, a CPU generator state seeded as the CUDA one would be, so that checkpoints carry a
