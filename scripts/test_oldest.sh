@@ -23,8 +23,11 @@ if [ ! -f "$stamp" ]; then
   echo "creating $VENV with $py: torch $torch_version first, then megatron-muon[test]"
   "$py" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==$torch_version"
-  "$VENV/bin/python" -m pip install -q -e ".[test]" -c <(grep -v '^torch==' constraints-oldest.txt)
+  # --no-compile: no .pyc for the thousands of files of torch and its CUDA wheels (tens of seconds
+  # on 2 cores); Python compiles what the tests import.
+  "$VENV/bin/python" -m pip install -q --no-compile "torch==$torch_version"
+  "$VENV/bin/python" -m pip install -q --no-compile -e ".[test]" \
+    -c <(grep -v '^torch==' constraints-oldest.txt)
   installed=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')
   if [ "${installed%%+*}" != "$torch_version" ]; then
     echo "error: pip install -e .[test] replaced torch $torch_version by $installed" >&2
