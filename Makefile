@@ -3,13 +3,18 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test test-oldest demo bench lint clean
 
 venv:
 	@bash scripts/setup_venv.sh
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The oldest supported torch/megatron-core (constraints-oldest.txt) in .venv-oldest: single-process
+# tests and one 2-rank parity test (scripts/test_oldest.sh; CI's second run).
+test-oldest:
+	@bash scripts/test_oldest.sh
 
 demo: venv
 	$(PY) -m megatron_muon.demo
@@ -21,4 +26,4 @@ lint: venv
 	$(PY) -m ruff check megatron_muon tests benchmarks examples
 
 clean:
-	rm -rf .venv bench_out demo_out
+	rm -rf .venv .venv-oldest bench_out demo_out

@@ -46,10 +46,12 @@ megatron-core's optimizer wrappers, grad clipping, utils and schedules (section 
 
 Tensor parallelism (TP > 1):
 
-- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> a dummy CPU byte state / no-op:
-  megatron-core's ``FullyShardedDataParallel`` broadcasts TP rank 0's RNG states, CUDA's
-  included, over the TP group when it wraps a model (``sync_rng_states_across_tp_group``), and
-  Megatron-LM's checkpoints save and restore the CUDA RNG state next to the CPU one.
+- ``torch.cuda.get_rng_state`` / ``set_rng_state`` -> the CPU generator's state (``torch.
+  get_rng_state`` / ``set_rng_state``): megatron-core's ``FullyShardedDataParallel`` broadcasts TP
+  rank 0's RNG states, CUDA's included, over the TP group when it wraps a model
+  (``sync_rng_states_across_tp_group``), and Megatron-LM's checkpoints save and restore the "CUDA"
+  RNG state next to the CPU one; on CPU both are the one generator's, read at the same moment, so
+  a resumed run restores a real state.
 
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; section 8):
@@ -63,8 +65,17 @@ of everything above; section 8):
 - ``initialize_megatron(allow_no_cuda=True)``: it asserts a GPU is present unless told otherwise.
 - ``torch.cuda.device_count`` -> 1 and ``set_device`` -> no-op, during ``_initialize_distributed``
   only: model-parallel groups are created only when a GPU is counted.
-- the inference RNG tracker after ``_set_random_seed`` (its ``fork`` is a null context): the
-  training tracker snapshots CUDA RNG states; on CPU the default generator is the only one.
+- a CPU RNG tracker (``_cpu_rng_tracker_class``) after ``_set_random_seed``: the training tracker
+  snapshots CUDA RNG states; on CPU the default generator is the only one, so ``fork`` is a null
+  context (random ops inside it draw from the CPU generator, which checkpoints save). It keeps,
+  per name, a CPU generator state seeded as the CUDA one would be, so that checkpoints carry a
+  non-empty tracker state: Megatron's load refuses an empty one ("Unable to load rng state") and
+  exits without training, which made CPU resumes need ``--no-load-rng``.
+- Megatron's data loaders (``build_pretraining_data_loader``) get a generator of their own
+  (seeded 0) for the one number a ``DataLoader`` draws when an iterator is created (its workers'
+  base seed). On a GPU that draw comes from the CPU generator, which dropout (on the CUDA
+  generator) never sees; on CPU dropout draws from that generator too, and a resumed run, which
+  builds its iterators after the checkpoint's RNG state is restored, would draw different masks.
 - ``megatron.core.datasets.utils.compile_helpers`` -> no-op: the wheel ships the built dataset
   helpers but not their Makefile (packaging, not CUDA).
 - ``FullyShardedDataParallel(device=None)`` -> ``device=cpu``: the wrapper otherwise places its
@@ -225,8 +236,6 @@ class _NoOpStream:
 
 _DEFAULT_STREAM = _NoOpStream()
 
-# What a checkpoint stores as the "CUDA" RNG state on CPU: a fixed empty byte tensor.
-_DUMMY_CUDA_RNG_STATE = torch.zeros(0, dtype=torch.uint8)
 
 
 def _patch_cuda_runtime() -> None:
@@ -237,9 +246,9 @@ def _patch_cuda_runtime() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     # Record-stream bookkeeping on CPU tensors has nothing to record.
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
-    # There is no CUDA generator: a fixed dummy state (TP RNG sync, checkpoints).
-    torch.cuda.get_rng_state = lambda *a, **k: _DUMMY_CUDA_RNG_STATE.clone()  # type: ignore
-    torch.cuda.set_rng_state = lambda *a, **k: None  # type: ignore[assignment]
+    # There is no CUDA generator: the CPU generator stands in (TP RNG sync, checkpoints).
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore
 
 
 # --------------------------------------------------------------------------------------------------
@@ -547,6 +556,7 @@ def install_for_training() -> None:
     _patch_training_arguments()
     _patch_training_initialize()
     _patch_dataset_helpers()
+    _patch_data_loader_generator()
     _patch_fsdp_default_device()
     _TRAINING_INSTALLED = True
 
@@ -562,6 +572,38 @@ def _cuda_stays_on_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.T
     return self
 
 
+@functools.cache
+def _cpu_rng_tracker_class() -> type:
+    """Megatron's RNG tracker for a machine whose only generator is the CPU's (module docstring).
+
+    Built on first use: ``megatron.core`` is imported only when the stand-ins are installed.
+    """
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRngTracker(CudaRNGStatesTracker):
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_ or name in self.states_:
+                raise RuntimeError(f"RNG state {name} (seed {seed}) already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        def fork(self, name: str = "") -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()
+
+    return CpuRngTracker
+
+
+def _install_cpu_rng_tracker(seed: int) -> None:
+    """Megatron's tracker states for ``seed`` (data, tensor, expert parallel), in a CPU tracker."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    # model_parallel_cuda_manual_seed keeps an initialized tracker (no force_reset) and adds its
+    # named seeds to it; its torch.cuda.manual_seed is a lazy no-op without CUDA.
+    random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    random.model_parallel_cuda_manual_seed(seed)
+
+
 def _patch_training_arguments() -> None:
     """``validate_args`` reads the GPU's compute capability (arguments.py, Megatron-FSDP block)."""
     arguments = importlib.import_module("megatron.training.arguments")
@@ -572,7 +614,6 @@ def _patch_training_initialize() -> None:
     """``initialize_megatron``: allow no CUDA; count one device while creating groups; CPU RNG."""
     initialize = importlib.import_module("megatron.training.initialize")
     training = importlib.import_module("megatron.training.training")
-    tensor_parallel = importlib.import_module("megatron.core.tensor_parallel")
 
     original_initialize = initialize.initialize_megatron
     if not getattr(original_initialize, "_cpu_stand_in", False):
@@ -610,11 +651,9 @@ def _patch_training_initialize() -> None:
         @functools.wraps(original_seed)
         def seed_with_cpu_tracker(seed: int, *args: Any, **kwargs: Any) -> Any:
             # The CPU seeds are set by the original; with no GPU counted it skips the CUDA
-            # tracker, which model code forks: install the inference tracker (fork = no-op).
+            # tracker, which model code forks and checkpoints save: the CPU tracker instead.
             result = original_seed(seed, *args, **kwargs)
-            tensor_parallel.model_parallel_cuda_manual_seed(
-                seed, inference_rng_tracker=True, force_reset_rng=True
-            )
+            _install_cpu_rng_tracker(seed)
             return result
 
         seed_with_cpu_tracker._cpu_stand_in = True  # type: ignore[attr-defined]
@@ -625,6 +664,27 @@ def _patch_dataset_helpers() -> None:
     """The wheel ships the compiled dataset helpers but not the Makefile that builds them."""
     utils = importlib.import_module("megatron.core.datasets.utils")
     utils.compile_helpers = lambda: None
+
+
+def _patch_data_loader_generator() -> None:
+    """Megatron's data loaders draw their workers' base seed from a generator of their own."""
+    samplers = importlib.import_module("megatron.training.datasets.data_samplers")
+    training = importlib.import_module("megatron.training.training")
+    original = samplers.build_pretraining_data_loader
+    if getattr(original, "_cpu_stand_in", False):
+        return
+
+    @functools.wraps(original)
+    def loader_with_own_generator(*args: Any, **kwargs: Any) -> Any:
+        loader = original(*args, **kwargs)
+        if loader is not None:
+            loader.generator = torch.Generator().manual_seed(0)
+        return loader
+
+    loader_with_own_generator._cpu_stand_in = True  # type: ignore[attr-defined]
+    samplers.build_pretraining_data_loader = loader_with_own_generator
+    if getattr(training, "build_pretraining_data_loader", None) is original:
+        training.build_pretraining_data_loader = loader_with_own_generator
 
 
 def _patch_fsdp_default_device() -> None:

@@ -14,22 +14,25 @@ run shape, data and checkpoints, and three things of its own:
 - **A JSON log** (``--log-json PATH``: one record per logged iteration and per evaluation) and,
   with ``--plot PATH``, a PNG of the train and validation loss curves.
 
-On a machine without a GPU it runs on CPU/gloo: the flags that Megatron needs there (gloo, CPU
-initialization, the local transformer implementation, no CUDA fusions) are put in front of the
-user's, so a user's own flags still win. Launch with ``torchrun``::
+Model and run-length flags are enough: Megatron-FSDP with ``fsdp_dtensor`` checkpoints, position
+embeddings, evaluation and logging intervals and, without a GPU, the CPU/gloo flags are filled in
+where the user left them unset (``megatron_muon.pretrain_defaults``; printed once as "defaults
+applied: ..."). Launch with ``torchrun``::
 
     torchrun --nproc-per-node 2 -m megatron_muon.pretrain --optimizer muon \\
-        --use-megatron-fsdp --ckpt-format fsdp_dtensor \\
-        --data-parallel-sharding-strategy optim_grads_params \\
         --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
-        --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \\
-        --train-iters 50 --lr 0.02 --eval-interval 10 --eval-iters 2 --log-json run.json
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 40 --lr 0.02 --log-json run.json
+
+A resume (``--load``) whose learning-rate schedule differs from the checkpoint's (another
+``--train-iters``, ...) stops with an error that names Megatron's ``--override-opt_param-scheduler``
+and ``--use-checkpoint-opt_param-scheduler``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,21 +44,9 @@ from typing import Any
 import torch
 
 from megatron_muon.integrations import checkpoint_guard, megatron_lm
+from megatron_muon.pretrain_defaults import add_opt_out_flags, default_flags
 
-__all__ = ["main", "add_pretrain_args", "CPU_FLAGS", "RunLog"]
-
-# What Megatron's loop needs on CPU/gloo (REFERENCE.md section 8); put before the user's flags.
-CPU_FLAGS = [
-    *("--distributed-backend gloo --use-cpu-initialization --transformer-impl local").split(),
-    *("--no-gradient-accumulation-fusion --no-gradient-reduce-div-fusion").split(),
-    *("--no-bias-gelu-fusion --no-bias-dropout-fusion --no-masked-softmax-fusion").split(),
-    *("--no-rope-fusion --no-persist-layer-norm").split(),
-]
-# Defaults for the embedded byte-level data (argparse: the user's later flags win).
-BYTE_DATA_FLAGS = [
-    *("--tokenizer-type NullTokenizer --vocab-size 256").split(),
-    "--no-create-attention-mask-in-dataloader",
-]
+__all__ = ["main", "add_pretrain_args", "RunLog"]
 
 
 def add_pretrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -79,7 +70,7 @@ def add_pretrain_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument(
         "--plot", type=str, default=None, help="Write a PNG of the loss curves here (rank 0)."
     )
-    return parser
+    return add_opt_out_flags(parser)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,20 +83,23 @@ _DESCRIPTIVE_KEYS = frozenset({"name", "default_ep", "default_tp", "default_pp"}
 _FLAG_ALIASES = {"gated_linear_unit": "swiglu"}
 
 
-def _known_options() -> dict[str, argparse.Action]:
+def _parser() -> argparse.ArgumentParser:
+    """Megatron's parser with megatron-muon's and this entry point's flags (as the run parses)."""
     from megatron.training.arguments import add_megatron_arguments
 
     from megatron_muon.arguments import add_muon_args
 
-    parser = add_pretrain_args(add_muon_args(add_megatron_arguments(argparse.ArgumentParser())))
-    return dict(parser._option_string_actions)
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    return add_pretrain_args(add_muon_args(add_megatron_arguments(parser)))
 
 
 def config_flags(path: str | Path) -> list[str]:
     """Megatron flags from a YAML config: ``{section: {flag_name: value}}`` or flat.
 
-    ``true`` gives a bare flag, ``false`` and ``null`` leave it out, lists become Megatron's
-    bracketed strings (``moe_layer_freq: [0, 1]`` -> ``--moe-layer-freq [0,1]``).
+    ``true`` gives a bare flag, ``false`` its ``--no-`` form where Megatron (or this entry point)
+    has one (``use_megatron_fsdp: false`` -> ``--no-use-megatron-fsdp``), else nothing; ``null``
+    leaves it out; lists become Megatron's bracketed strings (``moe_layer_freq: [0, 1]`` ->
+    ``--moe-layer-freq [0,1]``).
 
     Raises:
         ValueError: the file is not a mapping, or a key is no flag of Megatron's, ours or this
@@ -125,7 +119,7 @@ def config_flags(path: str | Path) -> list[str]:
             items.update(value)
         else:
             items[key] = value
-    options = _known_options()
+    options = _parser()._option_string_actions
     flags: list[str] = []
     unknown = []
     for key, value in items.items():
@@ -137,7 +131,10 @@ def config_flags(path: str | Path) -> list[str]:
             continue
         if value is True:
             flags.append(option)
-        elif value is False or value is None:
+        elif value is False:
+            negative = "--no-" + option[2:]
+            flags += [negative] if negative in options else []
+        elif value is None:
             continue
         elif isinstance(value, list):
             flags += [option, "[" + ",".join(str(v) for v in value) + "]"]
@@ -475,14 +472,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     megatron_lm.install()
     checkpoint_guard.install()  # Adam state on every rank; a mismatched --load refused
     user_flags = list(sys.argv[1:] if argv is None else argv)
-    config_path = _config_path(user_flags)
-    from_config = config_flags(config_path) if config_path else []
-    defaults = [] if torch.cuda.is_available() else list(CPU_FLAGS)
-    data_flags = ("--mock-data", "--data-path", "--train-data-path")
-    if not any(flag in [*from_config, *user_flags] for flag in data_flags):
-        defaults += BYTE_DATA_FLAGS
-    defaults += from_config
-    sys.argv = [sys.argv[0], *defaults, *user_flags]
+    try:
+        config_path = _config_path(user_flags)
+        from_config = config_flags(config_path) if config_path else []
+        defaults = default_flags(
+            _parser(), [*from_config, *user_flags], has_gpu=torch.cuda.is_available()
+        )
+    except ValueError as error:
+        raise SystemExit(f"megatron_muon.pretrain: error: {error}") from None
+    applied = [token for option in defaults for token in option]
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-muon] defaults applied: {' '.join(applied) or '(none)'}", flush=True)
+    sys.argv = [sys.argv[0], *applied, *from_config, *user_flags]
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain, training
@@ -503,8 +504,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     _instrument(training, log)
     datasets_provider.is_distributed = True  # type: ignore[attr-defined]
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    try:
+        pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    except AssertionError as error:
+        if str(error).startswith("OptimizerParamScheduler:"):
+            raise SystemExit(scheduler_mismatch_message(error)) from error
+        raise
     _write_outputs(args, log)
+
+
+def scheduler_mismatch_message(error: AssertionError) -> str:
+    """What to do when ``--load`` meets a checkpoint saved with another learning-rate schedule.
+
+    Megatron's ``OptimizerParamScheduler.load_state_dict`` asserts that the schedule built from
+    this run's flags equals the checkpoint's, unless one of its two flags says which one wins.
+    """
+    return (
+        "megatron_muon.pretrain: error: the checkpoint's learning-rate schedule differs from the "
+        f"one this run's flags give ({error}). To resume with another --train-iters (or --lr, "
+        "--min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style), pass "
+        "--override-opt_param-scheduler (this run's values win) or "
+        "--use-checkpoint-opt_param-scheduler (the checkpoint's win), as in Megatron-LM."
+    )
 
 
 if __name__ == "__main__":

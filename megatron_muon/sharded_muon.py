@@ -247,12 +247,6 @@ class ShardedMuon(TensorParallelMuon):
         self.bucket_size_bytes = bucket_size_bytes
         self.step_stats = StepStats()
         self._plan: _StepPlan | None = None
-        for index, param in enumerate(self._all_params()):
-            if param.ndim not in (2, 3):
-                raise ValueError(
-                    f"ShardedMuon orthogonalizes matrices: param {index} has shape "
-                    f"{tuple(param.shape)} ({param.ndim}-D); route it to the scalar optimizer"
-                )
         self._check_meshes()
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
@@ -309,6 +303,35 @@ class ShardedMuon(TensorParallelMuon):
                 f"ranks {ranks}; pass the pg_collection the model was wrapped with"
             )
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` (also used by the constructor), refusing params that
+        ShardedMuon cannot orthogonalize; nothing is added when one is refused.
+
+        The new params' state is created by the next ``step()`` (locally, without a collective);
+        that step is collective over ``dp_group`` as always, so every rank adds the same group.
+
+        Raises:
+            ValueError: a param that is not 2-D or 3-D, or has a complex dtype (Newton-Schulz
+                runs on real matrices; a cast would drop the imaginary part).
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        first = sum(len(g["params"]) for g in self.param_groups[:-1])
+        names = group.get("param_names") or [None] * len(group["params"])
+        for index, (param, name) in enumerate(zip(group["params"], names, strict=True)):
+            label = f"param {first + index}" + (f" ({name})" if name else "")
+            problem = None
+            if param.is_complex():
+                problem = f"has complex dtype {param.dtype}; Newton-Schulz needs a real matrix"
+            elif param.ndim not in (2, 3):
+                problem = (
+                    f"has shape {tuple(param.shape)} ({param.ndim}-D); ShardedMuon "
+                    "orthogonalizes matrices: route it to the scalar optimizer"
+                )
+            if problem is not None:
+                self.param_groups.pop()
+                raise ValueError(f"ShardedMuon: {label} {problem}")
+
     # ----------------------------------------------------------------------------------------------
     # step: local momentum -> NS on full matrices -> local update
     # ----------------------------------------------------------------------------------------------
@@ -320,6 +343,10 @@ class ShardedMuon(TensorParallelMuon):
             raise ValueError("closure is not supported")
         plan = self._step_plan()
         self.step_stats = StepStats()
+        # State missing for a param added by add_param_group, or loaded from an optimizer that
+        # never stepped it (TensorParallelMuon creates state lazily): zeros, on each rank alone.
+        for group in self.param_groups:
+            self._init_group(group, skip_non_grad_params=False)
         active = self._params_with_grad_anywhere(plan)
         self._bring_momentum_back()
         inputs: list[torch.Tensor | None] = [None] * len(plan.params)

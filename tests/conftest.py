@@ -1,11 +1,25 @@
-"""Test-wide settings: one thread per process (a second thread adds nothing on a shared 2-core
-machine), deterministic seeds; the DP=1 reference run of Megatron-LM's loop that several test
-modules compare with."""
+"""Test-wide settings: one thread per process (ranks share the 2 CPU cores; a second thread adds
+nothing), the ``multirank`` marker, and the DP=1 reference run of Megatron-LM's
+loop that several test modules compare with.
+
+Tests that launch several processes carry ``@pytest.mark.multirank`` (registered in pyproject.toml);
+``-m "not multirank"`` selects the single-process tests. A launch from an unmarked test fails
+(``tests.harness.require_multirank_marker``), so the selection stays exact.
+"""
 
 import pytest
 import torch
 
+from tests import harness
+
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before the test's fixtures: a module-scoped fixture that launches ranks runs in the set-up
+    # of the first test that uses it.
+    harness.set_test_is_multirank(item.get_closest_marker("multirank") is not None)
 
 
 @pytest.fixture(scope="session")

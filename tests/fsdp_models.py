@@ -1,4 +1,4 @@
-"""Small models and Megatron-FSDP wrapping helpers shared by the distributed tests (run in ranks)."""
+"""Small models and Megatron-FSDP wrapping helpers shared by the distributed tests (in ranks)."""
 
 from __future__ import annotations
 

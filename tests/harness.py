@@ -13,6 +13,10 @@ each rank, calls ``fn(rank, world_size, *args)`` and returns the per-rank result
 
 ``fn`` must be a module-level function (it is pickled by reference). Results travel back through
 ``torch.save`` bytes, so tensors and nested containers of them are fine.
+
+A test that launches ranks (here or through ``tests/torchrun.py``) must carry
+``@pytest.mark.multirank``: ``pytest -m "not multirank"`` is the single-process selection (the
+oldest-stack CI run), and a launch from an unmarked test fails (``require_multirank_marker``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,28 @@ _PRELOAD = [
 ]
 
 _context: Any = None
+# Whether the running test carries the ``multirank`` marker (tests/conftest.py sets it before each
+# test's fixtures); None outside pytest.
+_test_is_multirank: bool | None = None
+
+
+def set_test_is_multirank(value: bool | None) -> None:
+    """Called by tests/conftest.py before each test's set-up."""
+    global _test_is_multirank
+    _test_is_multirank = value
+
+
+def require_multirank_marker(what: str) -> None:
+    """Raises when a test without ``@pytest.mark.multirank`` launches ranks.
+
+    Without the marker the test would be selected by ``-m "not multirank"`` (the single-process
+    run) and launch processes there.
+    """
+    if _test_is_multirank is False:
+        raise RuntimeError(
+            f"this test launches {what} but is not marked @pytest.mark.multirank "
+            "(tests/harness.py): mark it, or its fixture's tests"
+        )
 
 
 class RankFailure(RuntimeError):
@@ -128,6 +154,7 @@ def run_on_ranks(
         RankFailure: a rank raised (all failed ranks' tracebacks in the message).
         RankTimeout: ranks did not finish within ``timeout`` seconds (named in the message).
     """
+    require_multirank_marker(f"{world_size} ranks")
     ctx = _get_context()
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="mm_store_")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.multirank
 def test_quick_benchmark_writes_every_required_figure(tmp_path):
     from benchmarks.report import REQUIRED_FIGURES, missing_figures
 

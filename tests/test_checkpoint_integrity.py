@@ -31,6 +31,8 @@ from tests.test_checkpointing import (
     _train_save_train,
 )
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 
 class _UnpicklableScheduler:
     def state_dict(self) -> dict:

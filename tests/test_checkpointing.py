@@ -28,6 +28,8 @@ import torch.distributed as dist
 from tests.harness import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 GLOBAL_BATCH = 12  # divisible by every DP size used here
 DIM = 16
 RESHARD_TOLERANCE = 1e-6

@@ -13,6 +13,8 @@ from tests import gpt_parity
 from tests.harness import run_on_ranks
 from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 
 def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
     """Save after k steps then train n more, or load in fresh processes and train n more.

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.harness import run_on_ranks
+
+pytestmark = pytest.mark.multirank  # every test here launches ranks
 
 
 def _train(rank: int, world_size: int) -> list[float]:

@@ -85,12 +85,14 @@ def _assert_matches_reference(per_rank: list[dict]) -> float:
     return errors[worst]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_mcore_fully_sharded_data_parallel_gpt_matches_unsharded_reference(mcore_results, strategy):
     run = next(r for r in MCORE_RUNS if r.strategy == strategy)
     _assert_matches_reference(mcore_results[run])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_megatron_fsdp_fully_shard_model_gpt_matches_unsharded_reference(
     fully_shard_results, strategy
@@ -99,6 +101,7 @@ def test_megatron_fsdp_fully_shard_model_gpt_matches_unsharded_reference(
     _assert_matches_reference(fully_shard_results[run])
 
 
+@pytest.mark.multirank
 def test_moe_gpt_routes_experts_to_the_expert_muon_and_matches_reference(moe_results):
     (per_rank,) = moe_results.values()
     _assert_matches_reference(per_rank)
@@ -136,6 +139,7 @@ EXPECTED_MUON = [
 ]
 
 
+@pytest.mark.multirank
 def test_tiny_gpt_routing_table_by_name(mcore_results):
     per_rank = mcore_results[MCORE_RUNS[0]]
     routing = {_strip(n): (opt, expert) for n, opt, expert in per_rank[0]["routing"]}
@@ -154,6 +158,7 @@ def test_tiny_gpt_routing_table_by_name(mcore_results):
         assert result["routing"] == per_rank[0]["routing"]  # same on every rank
 
 
+@pytest.mark.multirank
 def test_summary_line_per_optimizer_names_counts_strategy_and_mode(mcore_results):
     for run in MCORE_RUNS:
         muon_line, adam_line = mcore_results[run][0]["summary"]
@@ -247,6 +252,7 @@ def variants() -> list[dict]:
     return run_on_ranks(_build_variants, 2, timeout=300)
 
 
+@pytest.mark.multirank
 def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused(variants):
     for messages in variants:
         assert (
@@ -284,6 +290,7 @@ def hsdp_results() -> dict[Run, list[dict]]:
     return _by_run(run_on_ranks(_train_hsdp, 4, timeout=600), HSDP_RUNS)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("wrapper", ["mcore_hsdp", "fully_shard_hsdp"])
 def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group(
     hsdp_results, wrapper
@@ -306,6 +313,7 @@ def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group
     )
 
 
+@pytest.mark.multirank
 def test_lion_scalar_optimizer_and_use_muon_false_route_as_megatron_does(variants):
     for result in variants:
         assert result["lion_summary"][-1].startswith("megatron-muon Lion: ")
@@ -373,12 +381,14 @@ def _toy_without_parallel_state(rank: int, world_size: int) -> dict:
     return {"errors": errors, "summary": optimizer.summary_lines}
 
 
+@pytest.mark.multirank
 def test_without_parallel_state_the_megatron_fsdp_data_parallel_group_is_used():
     for result in run_on_ranks(_toy_without_parallel_state, 2, timeout=300):
         assert max(result["errors"].values()) <= TOLERANCE, result["errors"]
         assert "over Megatron-FSDP data-parallel group (2 ranks)" in result["summary"][0]
 
 
+@pytest.mark.multirank
 def test_decoupled_lr_reaches_the_embedding_and_output_groups(variants):
     for result in variants:
         lrs = result["lr_by_param"]

@@ -20,6 +20,8 @@ from tests import gpt_parity
 from tests.gpt_parity import Run
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 TOLERANCE = 1e-5
 NUM_STEPS = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from tests.fsdp_models import ToyMLP, fully_shard_toy
 from tests.harness import RankFailure, RankTimeout, run_on_ranks
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 
 def _uneven_rows(world_size: int) -> list[int]:
     return [(3 * r + 1) % 5 for r in range(world_size)]  # includes 0-row ranks for world >= 4

@@ -119,6 +119,7 @@ def qk_clip_results() -> list[dict]:
     return run_on_ranks(_qk_clip_parity, 2, timeout=300)
 
 
+@pytest.mark.multirank
 def test_qk_clip_from_the_factory_clips_the_heads_an_unsharded_reference_clips(qk_clip_results):
     errors = gpt_parity.relative_errors([r["deviations"] for r in qk_clip_results])
     for name, error in errors.items():
@@ -133,6 +134,7 @@ def test_qk_clip_from_the_factory_clips_the_heads_an_unsharded_reference_clips(q
     print(f"\nQK-clip heads clipped per step (of 8): {counts}; worst {max(errors.values()):.1e}")
 
 
+@pytest.mark.multirank
 def test_qk_clip_summary_line_names_the_threshold(qk_clip_results):
     assert any(
         "QK-clip: threshold 0.12 on 2 attention layers" in line
@@ -168,6 +170,7 @@ def _final_rows(rank: int, world_size: int, runs: list[dict]) -> list[dict]:
     return out
 
 
+@pytest.mark.multirank
 def test_gram_newton_schulz_on_two_ranks_matches_one_rank_as_closely_as_standard_ns_does():
     runs = [{"ns_method": "gram"}, {"ns_method": "standard"}]
     two = run_on_ranks(_final_rows, 2, runs, timeout=300)
@@ -241,6 +244,7 @@ def _offload_and_resume(rank: int, world_size: int, path: str) -> dict:
     }
 
 
+@pytest.mark.multirank
 def test_momentum_offload_is_bitwise_equal_to_no_offload_and_resumes_bitwise(tmp_path):
     results = run_on_ranks(_offload_and_resume, 2, str(tmp_path / "ckpt"), timeout=300)
     for rank, result in enumerate(results):

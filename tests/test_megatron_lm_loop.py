@@ -190,8 +190,22 @@ def test_install_refuses_an_unchecked_megatron_core_version(
 
     from megatron_muon.integrations import megatron_lm
 
-    monkeypatch.setattr(package_info, "__shortversion__", "0.20.0")
-    with pytest.raises(RuntimeError, match="megatron-core 0.20.0 is installed"):
+    for version in ("0.20.0", "0.18.3", "0.19.0rc1"):
+        monkeypatch.setattr(package_info, "__version__", version)
+        with pytest.raises(RuntimeError, match=f"megatron-core {version} is installed") as error:
+            megatron_lm.install(cpu_stand_ins=False)
+        assert "megatron-core >=0.19.0,<0.20" in str(error.value)
+
+
+def test_install_accepts_every_checked_megatron_core_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.core import package_info
+
+    from megatron_muon.integrations import megatron_lm
+
+    for version in ("0.19.0", "0.19.2", "0.19.2+5e1a2b3"):
+        monkeypatch.setattr(package_info, "__version__", version)
         megatron_lm.install(cpu_stand_ins=False)
 
 
@@ -206,6 +220,7 @@ def test_loss_check_rejects_a_flat_no_shard_run() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
     strategy: str, muon_dp1: MegatronRun, checkpoint_root: Path
@@ -247,6 +262,7 @@ def _load_checkpoint(directory: Path) -> dict[str, Any]:
     return flat
 
 
+@pytest.mark.multirank
 def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: Path) -> None:
     uninterrupted = muon_dp2("optim_grads_params", checkpoint_root)
     # A Muon matrix that some rank holds no rows of: its state must still exist on that rank.
@@ -307,6 +323,7 @@ def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: P
     )
 
 
+@pytest.mark.multirank
 def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
     flags = [
         *("--optimizer adam --lr 0.01 --train-iters 4").split(),

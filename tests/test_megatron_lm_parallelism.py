@@ -43,7 +43,7 @@ from tests.harness import run_on_ranks
 from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls, assert_same_losses
 from tests.torchrun import MUON_FLAGS, MegatronRun, run_megatron
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
 HSDP_FLAGS = [
     *("--data-parallel-sharding-strategy", "optim"),

@@ -20,7 +20,7 @@ import pytest
 
 from tests.torchrun import MegatronRun, run_megatron
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
 TP_MODES = ("blockwise", "duplicated", "distributed")
 # A different Megatron-FSDP sharding strategy per tp_mode (the same one at 4 and 2 ranks).

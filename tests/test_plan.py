@@ -60,6 +60,7 @@ def _plans_on_rank(rank: int, world_size: int) -> list[OwnerPlan]:
     return plans
 
 
+@pytest.mark.multirank
 def test_plan_is_identical_on_every_rank_and_tp_rank():
     results = run_on_ranks(_plans_on_rank, 4, timeout=60)
     assert all(plans == results[0] for plans in results)
@@ -181,6 +182,7 @@ def _split_ns_on_rank(rank: int, world_size: int, shapes) -> list[tuple]:
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_split_newton_schulz_equals_full_matrix_newton_schulz(world_size):
     results = run_on_ranks(_split_ns_on_rank, world_size, SPLIT_SHAPES, timeout=90)
@@ -227,6 +229,7 @@ def _split_qkv_in_subgroups(rank: int, world_size: int) -> torch.Tensor:
     return torch.cat(results)
 
 
+@pytest.mark.multirank
 def test_split_newton_schulz_runs_qkv_pieces_in_concurrent_rank_blocks():
     results = run_on_ranks(_split_qkv_in_subgroups, 4, timeout=60)
     torch.set_float32_matmul_precision("highest")
@@ -295,6 +298,7 @@ def _execute_plan(rank: int, world_size: int, plan: OwnerPlan) -> dict:
     return results
 
 
+@pytest.mark.multirank
 def test_a_split_plan_executes_exactly_on_ranks_with_overlapping_blocks():
     costs = [sum(ns_flops(r, c, 5) for r, c in pieces) for pieces in PLANNED_PIECES]
     plan = plan_split_owners(
@@ -315,6 +319,7 @@ def test_a_split_plan_executes_exactly_on_ranks_with_overlapping_blocks():
             assert error <= 1e-6, f"matrix {m} on rank {rank}: relative error {error:.2e}"
 
 
+@pytest.mark.multirank
 def test_split_newton_schulz_rejects_a_block_split_along_the_wrong_dim():
     with pytest.raises(RankFailure, match="must hold block"):
         run_on_ranks(_wrong_block, 2, timeout=30)
@@ -386,6 +391,7 @@ def _sharded_muon_stats(
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     ("spec", "min_split"), [(TINY, 10**11), (TINY_SPLIT, 0)], ids=["owners", "split"]
 )

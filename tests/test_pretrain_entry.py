@@ -1,11 +1,15 @@
 """``python -m megatron_muon.pretrain`` on 2 CPU ranks: Megatron's own loop on the embedded text.
 
-``torchrun`` launches are the slow part (10-40 s each): Muon on Megatron-FSDP (optim_grads_params)
-trains a tiny GPT on the standard library's byte tokens (the loss falls, the progress lines, the
-JSON log and the plot are written) and resumes from its checkpoint; a NaN gradient on one rank
-stops the run with the weights of the last good step; ``--optimizer adam`` saves at DP=2; the Muon
-checkpoint loaded into an Adam run is refused. In-process: the loss checks, the flag and config
-errors.
+The command gives only model and run-length flags (Megatron-FSDP, fsdp_dtensor checkpoints,
+evaluation and logging intervals, the CPU flags are the entry point's defaults) and keeps
+Megatron's dropout (0.1), so that a resume is exact only if the RNG state is restored: the loss
+falls, progress lines, the JSON log and the plot are written; a ``--load`` of the iteration-20
+checkpoint, without ``--no-load-rng``, gives the uninterrupted run's losses bit for bit; a
+``--load`` with another ``--train-iters`` stops with an error naming Megatron's scheduler flags.
+Faults: a NaN gradient on one rank stops the run with the weights of the last good step;
+``--optimizer adam`` saves at DP=2; the Muon checkpoint loaded into an Adam run is refused.
+In-process: the loss checks, the flag and config errors. ``torchrun`` launches are the slow part
+(15-60 s each).
 """
 
 from __future__ import annotations
@@ -27,10 +31,16 @@ from tests.torchrun import (
     run_megatron,
 )
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
-
+COMMAND = [
+    *("--optimizer muon --num-layers 2 --hidden-size 64 --num-attention-heads 4").split(),
+    *("--seq-length 64 --micro-batch-size 4 --global-batch-size 8 --train-iters 40").split(),
+    *("--lr 0.02").split(),
+]
 ENTRY = ["-m", "megatron_muon.pretrain"]
+
+
 # A tiny GPT on the embedded text, Muon on Megatron-FSDP; the config's run shape is overridden
 # (command-line flags win) to stay fast.
 FLAGS = [
@@ -48,53 +58,77 @@ FLAGS = [
 SHORT_RUN = ["--lr-warmup-iters", "0", "--eval-iters", "0", "--eval-interval", "1000"]
 
 
+def _progress_lines(run) -> list[str]:
+    return [
+        line
+        for text in run.rank_outputs.values()
+        for line in text.splitlines()
+        if line.startswith("[megatron-muon] iter ")
+    ]
+
+
 @pytest.fixture(scope="module")
 def muon_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronRun, Path]:
-    """12 iterations on 2 ranks with --log-json, --plot and checkpoints at 6 and 12."""
+    """The command's 40 iterations on 2 ranks, with --log-json, --plot and --save (every 10)."""
     pytest.importorskip("matplotlib")
     root = tmp_path_factory.mktemp("pretrain")
     run = run_megatron(
-        [*FLAGS, *("--log-json", str(root / "run.json"), "--plot", str(root / "loss.png"))]
-        + ["--save", str(root / "checkpoints"), "--save-interval", "6"],
+        [*COMMAND, "--log-json", str(root / "run.json"), "--plot", str(root / "loss.png")]
+        + ["--save", str(root / "ckpt")],
         nproc=2,
         entry=ENTRY,
     )
     return run, root
 
 
-def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes(
+@pytest.mark.multirank
+def test_pretrain_entry_point_trains_from_model_flags_alone_and_resumes_exactly(
     muon_run: tuple[MegatronRun, Path], tmp_path: Path
 ) -> None:
     run, root = muon_run
-    progress = [
-        line
-        for text in run.rank_outputs.values()
-        for line in text.splitlines()
-        if line.startswith("[megatron-muon] iter ")
-    ]
-    assert len(progress) == 12, progress
+    log_json, plot, checkpoints = root / "run.json", root / "loss.png", root / "ckpt"
+    (applied,) = [line for line in run.rank_outputs[0].splitlines() if "defaults applied:" in line]
+    assert "--use-megatron-fsdp --ckpt-format fsdp_dtensor" in applied
+    assert "--eval-interval 10 --eval-iters 10 --log-interval 4 --save-interval 10" in applied
+    assert not any("defaults applied:" in line for line in run.rank_outputs[1].splitlines())
+    progress = _progress_lines(run)
+    assert len(progress) == 10, progress  # every 4th of 40 iterations
     assert "tokens/s" in progress[-1] and "optimizer" in progress[-1]
-    log = json.loads((root / "run.json").read_text())
-    losses = [record["train_loss"] for record in log["train"]]
-    assert [record["iteration"] for record in log["train"]] == list(range(1, 13))
+    log = json.loads(log_json.read_text())
+    losses = {record["iteration"]: record["train_loss"] for record in log["train"]}
+    assert sorted(losses) == list(range(4, 41, 4))
     # Per-iteration losses are noisy (one small batch each): compare the first and last thirds.
-    assert sum(losses[-4:]) < 0.85 * sum(losses[:4]), losses
-    assert [record["iteration"] for record in log["valid"] if not record.get("final")] == [6, 12]
+    values = list(losses.values())
+    assert sum(values[-3:]) < 0.85 * sum(values[:3]), values
+    assert [r["iteration"] for r in log["valid"] if not r.get("final")] == [10, 20, 30, 40]
     assert all(0.0 < record["optimizer_share"] < 1.0 for record in log["train"])
-    assert (root / "loss.png").stat().st_size > 0
+    assert plot.stat().st_size > 0
+    assert sorted(p.name for p in checkpoints.glob("iter_*")) == [
+        f"iter_{i:07d}" for i in (10, 20, 30, 40)
+    ]
     print(f"\npretrain entry: train loss {losses}, valid {log['valid']} ({run.wall_s:.1f} s)")
 
-    # Save at iteration 6, resume: iterations 7-12 give the uninterrupted run's losses exactly.
+    # Resume from iteration 20 (as after an interruption there), with the same command.
     resumed_json = tmp_path / "resumed.json"
     run_megatron(
-        [*FLAGS, "--log-json", str(resumed_json)]
-        + ["--load", str(root / "checkpoints"), "--ckpt-step", "6", "--no-load-rng"],
+        [*COMMAND, "--log-json", str(resumed_json), "--load", str(checkpoints)]
+        + ["--ckpt-step", "20"],
         nproc=2,
         entry=ENTRY,
     )
-    resumed = json.loads(resumed_json.read_text())["train"]
-    assert [record["iteration"] for record in resumed] == list(range(7, 13))
-    assert [record["train_loss"] for record in resumed] == losses[6:]
+    resumed = {
+        r["iteration"]: r["train_loss"] for r in json.loads(resumed_json.read_text())["train"]
+    }
+    assert resumed == {i: losses[i] for i in range(24, 41, 4)}
+
+    # Another --train-iters changes the learning-rate schedule: refused, naming the flags.
+    with pytest.raises(TorchrunFailure, match="--override-opt_param-scheduler") as failure:
+        run_megatron(
+            [*COMMAND, "--train-iters", "60", "--load", str(checkpoints)],  # the last one wins
+            nproc=2,
+            entry=ENTRY,
+        )
+    assert "--use-checkpoint-opt_param-scheduler" in str(failure.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,6 +136,7 @@ def test_pretrain_entry_point_trains_on_embedded_text_writes_its_log_and_resumes
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.multirank
 def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere_and_stops_the_run() -> None:
     from tests.pretrain_fault_driver import FAULT_VARIABLE
 
@@ -126,6 +161,7 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere_and_stops_the_run(
     assert all(math.isfinite(fields["lm loss"]) for fields in logged.values()), logged
 
 
+@pytest.mark.multirank
 def test_adam_with_megatron_fsdp_saves_at_dp2_with_a_rank_holding_empty_shards(
     tmp_path: Path,
 ) -> None:
@@ -143,14 +179,15 @@ def test_adam_with_megatron_fsdp_saves_at_dp2_with_a_rank_holding_empty_shards(
     assert (tmp_path / "adam" / "iter_0000002" / ".metadata").is_file()
 
 
+@pytest.mark.multirank
 def test_a_muon_checkpoint_loaded_into_an_adam_run_is_refused_naming_both(
     muon_run: tuple[MegatronRun, Path],
 ) -> None:
     _, root = muon_run
-    flags = [flag if flag != "muon" else "adam" for flag in FLAGS]
+    flags = [flag if flag != "muon" else "adam" for flag in COMMAND]
     with pytest.raises(TorchrunFailure) as failure:
         run_megatron(
-            [*flags, "--load", str(root / "checkpoints"), "--ckpt-step", "6", "--no-load-rng"],
+            [*flags, "--load", str(root / "ckpt"), "--ckpt-step", "20"],
             nproc=2,
             entry=ENTRY,
             timeout=200,
@@ -233,6 +270,7 @@ def _loss_checks(rank: int, world_size: int) -> dict:
     return results
 
 
+@pytest.mark.multirank
 def test_loss_function_validates_nan_and_inf_losses_as_megatron_does() -> None:
     # Megatron-LM's pretrain_gpt.py checks each rank's local loss through the rerun state machine
     # (fatal); --no-check-for-nan-in-loss-and-grad turns the check off.

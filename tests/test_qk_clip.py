@@ -155,6 +155,7 @@ def _run_single(rank: int, world_size: int, num_query_groups: int) -> dict:
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("num_query_groups", [4, 2], ids=["mha", "gqa"])
 def test_clip_scales_each_head_by_the_hand_computed_factor(num_query_groups: int) -> None:
     """Recorded max logits = hand-computed; rows scaled as by hand; clipped heads' max = tau."""
@@ -211,6 +212,7 @@ def _unsharded(tau: float) -> dict:
     return result
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("splits", [[40, 24], [0, 64]], ids=["mid-group", "empty-shard"])
 def test_sharded_on_two_ranks_equals_unsharded(splits: list[int]) -> None:
     """Row shards (uneven, cut inside a query group's rows; one empty) clipped on 2 ranks that saw
@@ -277,6 +279,7 @@ def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) ->
     return {"stats": stats, "shards": shards, "after": clip.max_logits()[0]}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_megatron_fsdp_row_shards_equal_unsharded(strategy: str) -> None:
     """Under real Megatron-FSDP (uneven row shards of qkv weight and bias, located by
@@ -306,6 +309,7 @@ def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
     return {"initial": initial, "stats": stats, "locals": [p.detach().clone() for p in params]}
 
 
+@pytest.mark.multirank
 def test_tensor_parallel_heads_clip_their_own_rows() -> None:
     """TP = 2 (GQA, one query group per rank): each rank clips its own heads from its own logits;
     its partition equals the matching rows of the TP = 1 clip, and the clipped heads add up."""
@@ -334,6 +338,7 @@ def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
     return ""
 
 
+@pytest.mark.multirank
 def test_rejects_layers_with_qk_layernorm_and_bad_threshold() -> None:
     [message] = run_on_ranks(_run_rejects_qk_layernorm, 1)
     assert "QK layernorm" in message

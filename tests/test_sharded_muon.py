@@ -146,6 +146,7 @@ def _splits_for(world_size: int, kind: str) -> list[list[int]]:
     return [split(rows) for rows, _ in SHAPES]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["even", "uneven", "empty"])
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -157,6 +158,7 @@ def test_matches_unsharded_muon_on_constructed_row_splits(world_size, kind, mode
         assert result["errors"]["momentum"] <= TOLERANCE, (rank, result["errors"])
 
 
+@pytest.mark.multirank
 def test_owner_and_gather_modes_give_the_same_params():
     splits = _splits_for(3, "uneven")
     owner = run_on_ranks(_run_constructed_splits, 3, SHAPES, splits, "owner", 2)
@@ -197,6 +199,7 @@ def _transformer_shapes(num_layers: int, hidden: int) -> list[tuple[int, int]]:
     return per_layer * num_layers
 
 
+@pytest.mark.multirank
 def test_owner_mode_balances_ns_flops_and_moves_about_twice_the_own_shard():
     world_size = 4
     shapes = _transformer_shapes(12, 32)
@@ -261,6 +264,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
     return {"errors": errors, "rows": rows}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_matches_unsharded_muon_on_a_real_megatron_fsdp_layout(world_size, strategy):
@@ -275,6 +279,7 @@ def test_matches_unsharded_muon_on_a_real_megatron_fsdp_layout(world_size, strat
         ]
 
 
+@pytest.mark.multirank
 def test_dp1_needs_no_exchange_and_matches_unsharded_muon():
     [result] = run_on_ranks(
         _run_constructed_splits, 1, SHAPES, [[r] for r, _ in SHAPES], "owner", 3
@@ -292,6 +297,7 @@ def _run_gram(rank: int, world_size: int) -> list[torch.Tensor]:
     return result["locals"]
 
 
+@pytest.mark.multirank
 def test_gram_newton_schulz_is_as_exact_under_sharding_as_unsharded():
     [unsharded] = run_on_ranks(_run_gram, 1)
     sharded = run_on_ranks(_run_gram, 2)
@@ -351,6 +357,7 @@ def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
     }
 
 
+@pytest.mark.multirank
 def test_momentum_offload_is_bitwise_equal_to_resident_momentum_and_survives_resume():
     resident = run_on_ranks(_run_offload, 2, False)
     offloaded = run_on_ranks(_run_offload, 2, True)

@@ -12,6 +12,8 @@ import torch
 from tests.harness import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS, TOLERANCE, _full_tensor
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 
 def _relative(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -> float:
     return ((mine - full_rows).norm() / full.norm()).item()

@@ -17,6 +17,8 @@ from tests import gpt_parity
 from tests.gpt_parity import Run
 from tests.harness import run_on_ranks
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 
 def _state_signature(optimizer) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(optimizer class, state keys, local shape of the first state tensor) per param, in order."""

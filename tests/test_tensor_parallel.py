@@ -32,6 +32,8 @@ from tests import tp_parity
 from tests.harness import run_on_ranks
 from tests.tp_parity import DENSE_TP2, DENSE_TP2_QK_CLIP, EXPERT_TP2, TP_MODES
 
+pytestmark = pytest.mark.multirank  # every test here launches ranks
+
 # Last: QK-clip on top (compared DP2 against DP1 only: the reference has no QK-clip).
 CASES = [
     *[(DENSE_TP2, mode) for mode in TP_MODES],

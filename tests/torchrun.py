@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.harness import require_multirank_marker
+
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "megatron_lm_driver.py"
 DONE_MARKER = "MEGATRON_MUON_DRIVER_DONE"
@@ -149,6 +151,7 @@ def run_megatron(
         entry: run this instead of the driver (e.g. ``["-m", "megatron_muon.pretrain"]``), with
             ``script_args`` alone (no ``TINY_GPT_CPU_FLAGS``, no end marker to wait for).
     """
+    require_multirank_marker(f"torchrun with {nproc} ranks")
     target = (
         [str(DRIVER), *([] if install else ["--no-megatron-muon-install"]), *TINY_GPT_CPU_FLAGS]
         if entry is None

@@ -39,8 +39,14 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied)
    ``build_muon_optimizer`` itself, saying whether it calls ``finish_grad_sync``.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
-the original functions with the original arguments. Checked against megatron-core 0.19.2 (the
-project's pin); ``install()`` raises on any other version rather than patch code it has not read.
+the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
+(0.19.1 was never published): between them only the version strings, the inference text server,
+``model_chunk_schedule_plan``, ``multi_token_prediction`` and ``transformer_layer`` changed; every
+function patched here, and every module the factory, the step wrapper and the checkpointing import
+(``megatron.training``, ``megatron.core.optimizer``, ``distributed``, the vendored
+``megatron_fsdp``, ``fsdp_dtensor_checkpoint``) is byte-identical. ``install()`` accepts
+``SUPPORTED_MEGATRON_CORE`` (pyproject.toml declares the same range) and raises on any other
+version rather than patch code it has not read.
 On a machine without a GPU, ``install()`` also applies ``megatron_muon.cpu_stand_ins.
 install_for_training()`` (gloo/CPU runs); with a GPU nothing of that module is touched.
 """
@@ -61,7 +67,7 @@ from megatron_muon.arguments import check_muon_args
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
 __all__ = [
-    "SUPPORTED_MEGATRON_CORE_VERSIONS",
+    "SUPPORTED_MEGATRON_CORE",
     "install",
     "installed",
     "extra_args_provider",
@@ -70,7 +76,9 @@ __all__ = [
     "MegatronCheckpointedOptimizer",
 ]
 
-SUPPORTED_MEGATRON_CORE_VERSIONS = ("0.19.2",)
+# The megatron-core versions whose patched functions were read (module docstring); pyproject.toml's
+# dependency on megatron-core is the same range.
+SUPPORTED_MEGATRON_CORE = ">=0.19.0,<0.20"
 
 _INSTALLED = False
 
@@ -112,15 +120,18 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
 
 
 def _check_megatron_core_version() -> None:
+    from packaging.specifiers import SpecifierSet
+
     package_info = importlib.import_module("megatron.core.package_info")
-    version = package_info.__shortversion__
-    if version not in SUPPORTED_MEGATRON_CORE_VERSIONS:
+    version = package_info.__version__
+    # prereleases=True: a 0.19.x release candidate is in range, a 0.19.0rc is not (< 0.19.0).
+    if not SpecifierSet(SUPPORTED_MEGATRON_CORE).contains(version, prereleases=True):
         raise RuntimeError(
             f"megatron_muon.integrations.megatron_lm patches megatron.training functions as they "
-            f"are in megatron-core {', '.join(SUPPORTED_MEGATRON_CORE_VERSIONS)}; megatron-core "
-            f"{version} is installed. Install a supported version or check the patched functions "
-            "(see this module's docstring) against it and add it to "
-            "SUPPORTED_MEGATRON_CORE_VERSIONS."
+            f"are in megatron-core {SUPPORTED_MEGATRON_CORE}; megatron-core {version} is "
+            f"installed. Install a supported version (pip install 'megatron-core"
+            f"{SUPPORTED_MEGATRON_CORE}'), or check the patched functions (see this module's "
+            "docstring) against it and widen SUPPORTED_MEGATRON_CORE."
         )
 
 
