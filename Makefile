@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-oldest demo bench lint clean
+.PHONY: venv test test-oldest test-torch-2.11 demo bench lint clean
 
 venv:
 	@bash scripts/setup_venv.sh
@@ -16,6 +16,10 @@ test: venv
 test-oldest:
 	@bash scripts/test_oldest.sh
 
+# The same check with torch 2.11 (the GPU machines' torch), in its own .venv-torch-2.11.
+test-torch-2.11:
+	@VENV_OLDEST=.venv-torch-2.11 TORCH_VERSION=2.11.0 bash scripts/test_oldest.sh
+
 demo: venv
 	$(PY) -m megatron_muon.demo
 
@@ -26,4 +30,4 @@ lint: venv
 	$(PY) -m ruff check megatron_muon tests benchmarks examples
 
 clean:
-	rm -rf .venv .venv-oldest bench_out demo_out
+	rm -rf .venv .venv-oldest .venv-torch-2.11 bench_out demo_out
