@@ -50,7 +50,7 @@ def _in_step(rank: int) -> float:
 
 
 def _save_refusals(rank: int, world_size: int, root: str) -> dict:
-    from megatron_muon import checkpoint_files
+    from megatron_muon.checkpointing import files as checkpoint_files
     from megatron_muon.checkpointing import save_checkpoint
 
     wrapped, optimizers, scheduler = _build(world_size, "optim")

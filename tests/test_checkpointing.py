@@ -599,7 +599,8 @@ def test_adam_state_into_muon_is_named(tmp_path):
 
 def _interrupted_save(rank, world_size, path) -> dict:
     """A save whose publish step fails on rank 0 (as if killed after the DCP writes)."""
-    from megatron_muon import checkpoint_files, checkpointing
+    from megatron_muon import checkpointing
+    from megatron_muon.checkpointing import files as checkpoint_files
 
     wrapped, optimizers, scheduler = _build(world_size, "optim")
     _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)

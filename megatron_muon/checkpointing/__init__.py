@@ -36,7 +36,7 @@ Invariants this module keeps:
   leave the rank's rows of that state unwritten. State is created without an optimizer step (a
   zero-grad step would apply decoupled weight decay: the dummy-step hazard, section 5), and Adam's
   per-param ``step`` is set to the real count, the maximum over the param's data-parallel mesh.
-- **Whole or refused** (``megatron_muon.checkpoint_files``). Every rank checks its part of a save
+- **Whole or refused** (``megatron_muon.checkpointing.files``). Every rank checks its part of a save
   (iteration, the params it holds, and, on rank 0, the pickled ``extra``, scheduler state and
   param groups) before the first collective, and all ranks agree on the outcome, on the path and
   on the param list; rank 0's ``<path>.incomplete`` must be visible to every rank; DCP writes
@@ -78,8 +78,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from megatron_muon import checkpoint_files as files
-from megatron_muon.checkpoint_files import (
+from megatron_muon.checkpointing import files
+from megatron_muon.checkpointing.files import (
     INCOMPLETE_SUFFIX,
     MARKER_NAME,
     CheckpointError,
