@@ -2,12 +2,11 @@
 
 A checkpoint is what ``torch.distributed.checkpoint`` (DCP) writes, the data files
 (``__<rank>_<i>.distcp``) and ``.metadata`` (which references every data file a load reads), plus
-the completion marker ``megatron_muon_checkpoint.json``: the manifest (``checkpointing``'s
-description of model and optimizer) and ``files``, every file of the checkpoint with its size and
-SHA-256.
+the completion marker ``megatron_muon_checkpoint.json``: the manifest (``manifest``'s description
+of model and optimizer) and ``files``, every file of the checkpoint with its size and SHA-256.
 
-Saving (``checkpointing.save_checkpoint`` runs these steps; each one that can fail on one rank ends
-in ``agree``, so every rank raises the same error):
+Saving (``save_checkpoint`` runs these steps; each one that can fail on one rank ends in
+``ranks.agree``, so every rank raises the same error):
 
 1. every rank passes the same absolute path (compared before anything is written);
 2. rank 0 creates ``<path>.incomplete`` with a token file; every rank must read that token there
@@ -21,11 +20,8 @@ Loading (``verify``): each rank reads the marker and ``.metadata``, checks that 
 metadata references is listed, exists and has its size, and hashes ``.metadata`` and its share of
 the data files, before any state is touched.
 
-Cost of the hashes: each file is read once more, by one rank, at save and at load (SHA-256 runs at
-0.4-0.5 GB/s per core on the project's CPU machine). Measured there side by side (hashes on, and
-replaced by a constant), megatron-core GPTModel, optim_grads_params, 2 gloo ranks, median of 5 on
-a shared machine (load average 13-18): 32 MB checkpoint, save 0.245 s vs 0.204 s, load 0.187 s
-vs 0.158 s; 216 MB, save 1.48 s vs 1.11 s, load 0.95 s vs 0.55 s (about +0.4 s per 216 MB).
+Cost of the hashes: each file is read once more, by one rank, at save and at load (measured in
+the README's checkpoint section).
 """
 
 from __future__ import annotations
@@ -39,17 +35,20 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_muon.checkpointing.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
+from megatron_muon.checkpointing.ranks import agree
+
 __all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "IncompleteCheckpointError",
     "FORMAT",
     "FORMAT_VERSION",
     "INCOMPLETE_SUFFIX",
     "MARKER_NAME",
     "REPLACED_SUFFIX",
-    "agree",
     "check_shared_directory",
     "create_directory",
     "publish",
@@ -65,46 +64,6 @@ INCOMPLETE_SUFFIX = ".incomplete"
 REPLACED_SUFFIX = ".replaced"
 _TOKEN_PREFIX = ".megatron_muon_save_"
 _MANIFEST_KEYS = ("iteration", "world_size", "params", "buffers", "optimizers", "has_scheduler")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; nothing was changed."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint directory does not exist."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """Not a whole checkpoint: no or a damaged marker, a file missing or altered."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """Saved from a different model or optimizer; the message names what differs."""
-
-
-def agree(error: BaseException | None, value: Any = None) -> list[Any]:
-    """Every rank's ``value``, after every rank learned whether some rank failed. Collective.
-
-    One ``all_gather_object`` of (error, value). If any rank failed, every rank raises: the failing
-    rank its own error, the others the lowest failing rank's (same type and message, rank named).
-    """
-    payloads: list[Any] = [None] * dist.get_world_size()
-    mine = (None if error is None else (type(error), str(error)), value)
-    dist.all_gather_object(payloads, mine)
-    for rank, (failure, _) in enumerate(payloads):
-        if failure is None:
-            continue
-        if error is not None:
-            raise error
-        kind, message = failure
-        suffix = "" if dist.get_world_size() == 1 else f" (reported by rank {rank})"
-        try:
-            peer_error = kind(message + suffix)
-        except TypeError:  # an exception type whose constructor takes more than a message
-            peer_error = CheckpointError(f"{kind.__name__}: {message}{suffix}")
-        raise peer_error
-    return [value for _, value in payloads]
 
 
 # --------------------------------------------------------------------------------------------------
