@@ -28,16 +28,19 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_muon.checkpointing.ranks import collective_device
+from megatron_muon.layout import fsdp_row_offset
 
 __all__ = ["attach_row_chunks"]
 
 
-def _local_row_chunk(param: torch.Tensor) -> ChunkStorageMetadata | None:
+def _local_row_chunk(param: DTensor) -> ChunkStorageMetadata | None:
     """This rank's chunk of a Megatron-FSDP param, from local facts only; None if unknown here.
 
-    Rows of a ``Shard(0)`` param start at ``megatron_fsdp_slice.start // row_numel`` (the slice of
-    the flattened param this rank holds; the only reliable offset under HSDP outer sharding, where
-    rank order is not row order); a ``Replicate`` param's chunk is the whole tensor.
+    Rows of a ``Shard(0)`` param start at ``layout.fsdp_row_offset`` (from the slice of the
+    flattened param this rank holds; the only reliable offset under HSDP outer sharding, where
+    rank order is not row order); an empty shard's chunk starts at row 0; a ``Replicate`` param's
+    chunk is the whole tensor. Unknown (None): no ``megatron_fsdp_slice``, or one that does not
+    cover whole rows of the local shard.
     """
     local = param.to_local()
     zeros = (0,) * local.ndim
@@ -48,15 +51,13 @@ def _local_row_chunk(param: torch.Tensor) -> ChunkStorageMetadata | None:
         isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements
     ):
         return None
-    fsdp_slice = getattr(param, "megatron_fsdp_slice", None)
-    row_numel = max(1, local.shape[1:].numel())
-    if fsdp_slice is None or fsdp_slice.stop - fsdp_slice.start != local.numel():
+    try:
+        offset = fsdp_row_offset(param)
+    except ValueError:
+        return None  # megatron_fsdp's gather decides
+    if offset is None:
         return None
-    if local.numel() == 0:
-        return ChunkStorageMetadata(offsets=torch.Size(zeros), sizes=local.shape)
-    if fsdp_slice.start % row_numel:
-        return None
-    offsets = (fsdp_slice.start // row_numel, *zeros[1:])
+    offsets = (offset if local.numel() else 0, *zeros[1:])
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape)
 
 
