@@ -527,14 +527,16 @@ def _init_state_eagerly(optimizer: torch.optim.Optimizer, init_state_fn: Callabl
     if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         for group in optimizer.param_groups:
             capturable_or_fused = group.get("capturable") or group.get("fused")
+            default = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            dtype = torch.float32 if group.get("fused") else default
             for param in group["params"]:
                 state = optimizer.state[param]
                 if state:
                     continue
                 state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=param.device)
+                    torch.zeros((), dtype=dtype, device=param.device)
                     if capturable_or_fused
-                    else torch.tensor(0.0, dtype=torch.float32)
+                    else torch.tensor(0.0, dtype=dtype, device="cpu")
                 )
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)

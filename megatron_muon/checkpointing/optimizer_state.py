@@ -87,13 +87,16 @@ def _create_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Te
         # emerging_optimizers' own lazy init, for params without a grad too.
         optimizer._init_group(group, skip_non_grad_params=False)
         return
-    # torch.optim.Adam._init_group, without taking a step.
+    # torch.optim.Adam._init_group, without taking a step: ``step`` is fp32 when fused, else
+    # fp64 under a fp64 default dtype (torch's ``_get_scalar_dtype``); on the param's device when
+    # capturable or fused, else on the CPU.
     state = optimizer.state[param]
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    default = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     if group["capturable"] or group["fused"]:
+        dtype = torch.float32 if group["fused"] else default
         state["step"] = torch.zeros((), dtype=dtype, device=param.device)
     else:
-        state["step"] = torch.tensor(0.0, dtype=dtype, device="cpu")
+        state["step"] = torch.tensor(0.0, dtype=default, device="cpu")
     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     if group["amsgrad"]:
