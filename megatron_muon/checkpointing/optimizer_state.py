@@ -31,7 +31,13 @@ from torch.distributed.tensor import DTensor
 from megatron_muon.checkpointing.ranks import collective_device
 from megatron_muon.sharded_muon import ShardedMuon
 
-__all__ = ["ensure_optimizer_state", "expected_state_keys", "leaf_optimizers"]
+__all__ = [
+    "create_state",
+    "creates_state",
+    "ensure_optimizer_state",
+    "expected_state_keys",
+    "leaf_optimizers",
+]
 
 
 def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -80,8 +86,38 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
     )
 
 
+def creates_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon and Lion of
+    emerging-optimizers, ``ShardedMuon``, torch ``Adam``/``AdamW``)."""
+    return isinstance(optimizer, (torch.optim.Adam, *_emerging_optimizer_classes()))
+
+
 @torch.no_grad()
-def _create_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
+def create_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every param's missing state, as ``optimizer``'s own first step creates it, without a step.
+
+    Local: no collective (Adam's ``step`` is 0 here; ``ensure_optimizer_state`` makes it the real
+    count). Momentum and moments are zeros like their param (a DTensor like a DTensor param).
+
+    Raises:
+        TypeError: ``creates_state(optimizer)`` is False.
+        RuntimeError: a param holds some of its state keys but not all.
+    """
+    for group in optimizer.param_groups:
+        keys = expected_state_keys(optimizer, group)
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not state:
+                _create_param_state(optimizer, group, param)
+            missing = [k for k in keys if k not in state]
+            if missing:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds partial state for a param of shape "
+                    f"{tuple(param.shape)}: {sorted(state)} lacks {missing}"
+                )
+
+
+def _create_param_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
     """The state ``optimizer`` creates lazily on its first step, created now (zeros, step 0)."""
     if isinstance(optimizer, _emerging_optimizer_classes()):
         # emerging_optimizers' own lazy init, for params without a grad too.
@@ -113,7 +149,8 @@ def _param_process_groups(param: torch.Tensor) -> list[dist.ProcessGroup]:
 
 @torch.no_grad()
 def ensure_optimizer_state(optimizer: Any) -> None:
-    """Creates the missing state of every param of every leaf optimizer, without stepping.
+    """Creates the missing state of every param of every leaf optimizer, without stepping
+    (``create_state``), and makes Adam's ``step`` counts the real ones.
 
     Collective: every rank of each param's data-parallel mesh must call it. Adam's per-param
     ``step`` (a plain 0-d tensor, replicated) is then set to its maximum over the param's mesh: the
@@ -126,18 +163,10 @@ def ensure_optimizer_state(optimizer: Any) -> None:
         if isinstance(leaf, ShardedMuon):
             # Offloaded momentum has its storage freed between steps: DCP would read freed memory.
             leaf.bring_momentum_back()
+        create_state(leaf)
         for group in leaf.param_groups:
-            keys = expected_state_keys(leaf, group)
             for param in group["params"]:
                 state = leaf.state[param]
-                if not state:
-                    _create_state(leaf, group, param)
-                missing = [k for k in keys if k not in state]
-                if missing:
-                    raise RuntimeError(
-                        f"{type(leaf).__name__} holds partial state for a param of shape "
-                        f"{tuple(param.shape)}: {sorted(state)} lacks {missing}"
-                    )
                 groups = _param_process_groups(param)
                 if "step" in state and groups:
                     key = tuple(id(g) for g in groups)
