@@ -85,7 +85,7 @@ class ToyMoE(torch.nn.Module):
 
 def _hsdp_wrap(module: torch.nn.Module, outer: str):
     """megatron_fsdp HSDP on 4 ranks: a (2 outer x 2 fsdp) mesh, inner optim_grads_params; outer
-    ``optim`` shards rows over both dims with rank order unlike row order (REFERENCE.md section 3).
+    ``optim`` shards rows over both dims (``(Shard(0), Shard(0))``), rank order unlike row order.
     Returns the wrapped module and the 4-rank group the rows are sharded over."""
     import megatron_fsdp
     from torch.distributed.device_mesh import init_device_mesh
