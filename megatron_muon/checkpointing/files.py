@@ -20,6 +20,13 @@ Loading (``verify``): each rank reads the marker and ``.metadata``, checks that 
 metadata references is listed, exists and has its size, and hashes ``.metadata`` and its share of
 the data files, before any state is touched.
 
+Format version 1 (checkpoints saved before the hashes were recorded): its marker maps each file
+(every file rank 0 saw in the directory) to its size only. Such a checkpoint loads with every check
+but the hashes: every file DCP's metadata references must be listed and present with its size,
+which also refuses a version-1 save whose ranks wrote to different directories (its marker misses
+their files). Bytes altered after the save without changing a size go unnoticed, as they did
+when version 1 was current.
+
 Cost of the hashes: each file is read once more, by one rank, at save and at load (measured in
 the README's checkpoint section).
 """
@@ -49,8 +56,10 @@ __all__ = [
     "INCOMPLETE_SUFFIX",
     "MARKER_NAME",
     "REPLACED_SUFFIX",
+    "UNHASHED_VERSION",
     "check_shared_directory",
     "create_directory",
+    "hashes_recorded",
     "publish",
     "read_marker",
     "verify",
@@ -58,6 +67,7 @@ __all__ = [
 
 FORMAT = "megatron_muon.fsdp_dtensor"
 FORMAT_VERSION = 2  # 2: the marker's files carry SHA-256 and follow DCP's metadata
+UNHASHED_VERSION = 1  # 1: the marker's files carry sizes only (name -> bytes); loaded unhashed
 MARKER_NAME = "megatron_muon_checkpoint.json"
 METADATA_NAME = ".metadata"
 INCOMPLETE_SUFFIX = ".incomplete"
@@ -211,6 +221,18 @@ def _leftovers(path: str) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _is_hashed_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and {"size", "sha256"} <= entry.keys()
+
+
+def _is_size(entry: Any) -> bool:
+    return isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0
+
+
+# What a marker's ``files`` maps each name to, per format version.
+_FILE_ENTRY = {FORMAT_VERSION: _is_hashed_entry, UNHASHED_VERSION: _is_size}
+
+
 def read_marker(path: str) -> dict[str, Any]:
     """The manifest of checkpoint ``path``, or the error naming what is wrong with it."""
     if not os.path.isdir(path):
@@ -232,27 +254,29 @@ def read_marker(path: str) -> dict[str, Any]:
         ) from None
     if not isinstance(manifest, dict):
         raise IncompleteCheckpointError(f"checkpoint {path}: its marker {MARKER_NAME} is damaged")
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or type(version) is not int or version not in _FILE_ENTRY:
         raise CheckpointMismatchError(
-            f"checkpoint {path} has format {manifest.get('format')} version "
-            f"{manifest.get('version')}; this reader expects {FORMAT} version {FORMAT_VERSION}"
+            f"checkpoint {path} has format {manifest.get('format')} version {version}; this "
+            f"reader expects {FORMAT} version {FORMAT_VERSION} (or {UNHASHED_VERSION})"
         )
     missing = [key for key in (*_MANIFEST_KEYS, "files") if key not in manifest]
     files = manifest.get("files")
-    if (
-        missing
-        or not isinstance(files, dict)
-        or not all(
-            isinstance(entry, dict) and {"size", "sha256"} <= entry.keys()
-            for entry in files.values()
-        )
-    ):
+    if missing or not isinstance(files, dict) or not all(map(_FILE_ENTRY[version], files.values())):
         what = f"lacks {missing}" if missing else "has a damaged file list"
         raise IncompleteCheckpointError(
             f"checkpoint {path}: its marker {MARKER_NAME} {what} (damaged, or written by "
             "another program)"
         )
+    if version == UNHASHED_VERSION:
+        manifest["files"] = {name: {"size": size} for name, size in files.items()}
     return manifest
+
+
+def hashes_recorded(manifest: dict[str, Any]) -> bool:
+    """Whether ``read_marker``'s ``manifest`` lists SHA-256 hashes (format version 2), so that
+    ``verify`` checks them; version 1 markers list sizes only."""
+    return manifest["version"] == FORMAT_VERSION
 
 
 def verify(path: str, manifest: dict[str, Any]) -> None:
@@ -260,14 +284,17 @@ def verify(path: str, manifest: dict[str, Any]) -> None:
 
     Every rank checks sizes and ``.metadata``'s hash, then every file ``.metadata`` references is
     listed in the marker; each rank hashes its share of the data files. Collective only through
-    the caller's ``agree``.
+    the caller's ``agree``. A version 1 marker (``read_marker``'s ``manifest``) has no hashes:
+    sizes and the listing are checked, nothing is hashed.
     """
     files = manifest["files"]
+    hashed = hashes_recorded(manifest)
     for name, entry in files.items():
         _check_size(path, name, entry["size"])
     if METADATA_NAME not in files:
         raise IncompleteCheckpointError(f"checkpoint {path}: its marker does not list .metadata")
-    _check_hash(path, METADATA_NAME, files[METADATA_NAME]["sha256"])
+    if hashed:
+        _check_hash(path, METADATA_NAME, files[METADATA_NAME]["sha256"])
     referenced = _referenced_files(path)
     unlisted = [name for name in referenced if name not in files]
     if unlisted:
@@ -275,6 +302,8 @@ def verify(path: str, manifest: dict[str, Any]) -> None:
             f"checkpoint {path} is incomplete: DCP's metadata references {unlisted}, which its "
             f"marker does not list (the save lost them)"
         )
+    if not hashed:
+        return
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for name in referenced[rank::world_size]:
         if name != METADATA_NAME:

@@ -41,6 +41,7 @@ from megatron_muon.checkpointing.manifest import check_matches, manifest_body
 from megatron_muon.checkpointing.optimizer_state import ensure_optimizer_state
 from megatron_muon.checkpointing.ranks import agree, agree_on_ranks
 from megatron_muon.checkpointing.row_chunks import attach_row_chunks
+from megatron_muon.console import print_rank_0
 from megatron_muon.step_wrapper import unwrap_megatron_fsdp
 
 __all__ = ["LoadedCheckpoint", "SavedCheckpoint", "load_checkpoint", "save_checkpoint"]
@@ -195,7 +196,8 @@ def load_checkpoint(
         CheckpointNotFoundError: ``path`` does not exist (what an interrupted save or overwrite
             left next to it is named).
         IncompleteCheckpointError: no or a damaged completion marker, or a file missing,
-            truncated or altered (SHA-256).
+            truncated or altered (SHA-256; a format version 1 checkpoint, saved before hashes
+            were recorded, loads with sizes checked only, which rank 0 prints).
         CheckpointMismatchError: saved from a different model or optimizer (the message names it).
         CheckpointError: the ranks passed different paths or hold different params.
     """
@@ -214,6 +216,12 @@ def load_checkpoint(
         error = caught
     agree_on_ranks(error, path, [] if inventory is None else inventory.names())
     assert inventory is not None
+    if not files.hashes_recorded(manifest):
+        print_rank_0(
+            f"megatron-muon: checkpoint {path} is format version {manifest['version']} (saved "
+            "before SHA-256 hashes were recorded): its files were checked for presence and size, "
+            "hashes were not verified"
+        )
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
     restore_rng = load_rng and manifest["world_size"] == world_size
