@@ -28,8 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
-from tests.test_checkpointing import (
+from tests.checkpoint_toys import (
     _assert_bitwise_equal,
     _assert_loads_fail,
     _build,
@@ -37,6 +36,7 @@ from tests.test_checkpointing import (
     _train,
     _train_save_train,
 )
+from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
