@@ -51,6 +51,7 @@ from megatron.core.transformer import TransformerConfig
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
+from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.console import print_rank_0
 from megatron_muon.qk_clip import QKClip, find_self_attentions
@@ -513,42 +514,13 @@ def _scalar_optimizer(
         param_groups=groups,
         skip_megatron_wrapping=True,
     )
-    _init_state_eagerly(optimizer, init_state_fn, config)
-    return optimizer, init_state_fn
-
-
-def _init_state_eagerly(optimizer: torch.optim.Optimizer, init_state_fn: Callable, config) -> None:
-    """Every param's optimizer state, as the optimizer would create it lazily, without a step.
-
-    Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and torch creates
-    no state for it, and Megatron-FSDP's fsdp_dtensor checkpointing then deadlocks (REFERENCE.md
-    section 8). A zero-grad "dummy" step would create it but apply weight decay (section 5).
-    """
-    if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        for group in optimizer.param_groups:
-            capturable_or_fused = group.get("capturable") or group.get("fused")
-            for param in group["params"]:
-                state = optimizer.state[param]
-                if state:
-                    continue
-                state["step"] = (
-                    torch.zeros((), dtype=torch.float32, device=param.device)
-                    if capturable_or_fused
-                    else torch.tensor(0.0, dtype=torch.float32)
-                )
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                if group.get("amsgrad"):
-                    state["max_exp_avg_sq"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
-    elif hasattr(optimizer, "_init_group"):
-        # emerging_optimizers (Lion): its own lazy init, for params without grads too.
-        for group in optimizer.param_groups:
-            optimizer._init_group(group, skip_non_grad_params=False)
-    else:
-        # Fused Adam (Transformer Engine / Apex): megatron-core's own checkpoint-load init.
+    if creates_state(optimizer):
+        # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
+        # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
+        create_state(optimizer)
+    else:  # Transformer Engine's / Apex's FusedAdam: megatron-core's own checkpoint-load init
         init_state_fn(optimizer, config)
+    return optimizer, init_state_fn
 
 
 def _wrap(

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 __all__ = [
     "all_gather_single",
     "check_same_params",
+    "fsdp_row_offset",
     "gather_row_layouts",
     "group_ranks",
     "local_tensor",
@@ -231,6 +232,33 @@ class RowLayout:
         return [(interval, tuple(holders[interval])) for interval in sorted(holders)]
 
 
+def fsdp_row_offset(param: torch.Tensor) -> int | None:
+    """First row of this rank's local shard in the param's matrix, from ``megatron_fsdp_slice``.
+
+    Megatron-FSDP records on each optimizer param the slice of the flattened (tensor-parallel-local)
+    param this rank holds; its start over the elements of one row is the shard's first row. It is
+    the only reliable offset under HSDP outer sharding, where rank order is not row order, and
+    under TP, where the TP split of dim 0 applies before the data-parallel one.
+
+    Returns:
+        The row offset, or None when the param carries no ``megatron_fsdp_slice``.
+
+    Raises:
+        ValueError: the slice does not cover whole rows of the local shard.
+    """
+    fsdp_slice = getattr(param, "megatron_fsdp_slice", None)
+    if fsdp_slice is None:
+        return None
+    local = local_tensor(param)
+    row_numel = max(1, local.shape[1:].numel())
+    if fsdp_slice.stop - fsdp_slice.start != local.numel() or fsdp_slice.start % row_numel:
+        raise ValueError(
+            f"megatron_fsdp_slice {fsdp_slice} does not describe whole rows of the local "
+            f"shard of shape {tuple(local.shape)}"
+        )
+    return fsdp_slice.start // row_numel
+
+
 def _describe_local_rows(param: torch.Tensor, axes: MeshAxes | None) -> tuple[int, int, int, int]:
     """(row offset or UNKNOWN, local rows, shard-axis coordinate, replica key) of this rank."""
     local = local_tensor(param)
@@ -240,18 +268,9 @@ def _describe_local_rows(param: torch.Tensor, axes: MeshAxes | None) -> tuple[in
     shard_axes = [a for a in axes.data_parallel if isinstance(param.placements[a], Shard)]
     if not shard_axes:
         return 0, num_local_rows, 0, 0
-    fsdp_slice = getattr(param, "megatron_fsdp_slice", None)
-    row_numel = max(1, local.shape[1:].numel())
-    if fsdp_slice is not None:
-        # Megatron-FSDP records which slice of the flattened (TP-local) param this rank holds; the
-        # only reliable offset under HSDP outer sharding, where rank order is not row order, and
-        # under TP, where the TP split of dim 0 applies before the data-parallel one.
-        if fsdp_slice.stop - fsdp_slice.start != local.numel() or fsdp_slice.start % row_numel:
-            raise ValueError(
-                f"megatron_fsdp_slice {fsdp_slice} does not describe whole rows of the local "
-                f"shard of shape {tuple(local.shape)}"
-            )
-        return fsdp_slice.start // row_numel, num_local_rows, 0, 0
+    offset = fsdp_row_offset(param)
+    if offset is not None:
+        return offset, num_local_rows, 0, 0
     if len(shard_axes) > 1 or any(split.dim == 0 for split in axes.tensor_parallel):
         raise ValueError(
             f"a DTensor sharded on dim 0 over several mesh axes (placements "

@@ -8,13 +8,18 @@
 - A load verifies every file DCP's metadata references (listed in the marker, present, same size,
   same SHA-256) and the marker itself before it touches any state: a file the marker does not
   list, flipped bits, a marker without its file list, and an overwrite interrupted between its two
-  renames are each named; nothing is changed.
+  renames are each named; nothing is changed. A checkpoint of format version 1 (saved before the
+  hashes were recorded: its marker lists sizes only) resumes bitwise with every check but the
+  hashes (rank 0 prints that they were not verified); a file it lacks, or one DCP's metadata
+  references that its marker does not list, is refused.
 - ``ShardedMuon`` given different params on different ranks names the param instead of aborting
   gloo ("Received data size doesn't match").
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -23,13 +28,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
-from tests.test_checkpointing import (
+from tests.checkpoint_toys import (
+    _assert_bitwise_equal,
     _assert_loads_fail,
     _build,
+    _load_train,
     _train,
     _train_save_train,
 )
+from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -50,7 +57,7 @@ def _in_step(rank: int) -> float:
 
 
 def _save_refusals(rank: int, world_size: int, root: str) -> dict:
-    from megatron_muon import checkpoint_files
+    from megatron_muon.checkpointing import files as checkpoint_files
     from megatron_muon.checkpointing import save_checkpoint
 
     wrapped, optimizers, scheduler = _build(world_size, "optim")
@@ -180,6 +187,68 @@ def test_a_load_verifies_every_referenced_file_before_touching_state(tmp_path):
                     ".incomplete exists: a save that did not finish, with a completion marker",
                     "an overwrite stopped between its two renames",
                 ),
+            ),
+        ]
+    )
+
+
+def _as_format_version_1(directory: str) -> None:
+    """The marker a version 1 save wrote: each file's size, no hash."""
+
+    def edit(manifest: dict) -> None:
+        manifest["version"] = 1
+        manifest["files"] = {name: entry["size"] for name, entry in manifest["files"].items()}
+
+    _edit_marker(directory, edit)
+
+
+def _load_and_train_capturing_stdout(rank: int, world_size: int, path: str, n: int) -> dict:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = _load_train(rank, world_size, "optim", path, n)
+    return {**result, "printed": printed.getvalue()}
+
+
+def test_a_format_version_1_checkpoint_loads_with_sizes_checked_and_hashes_not(tmp_path):
+    saved = str(tmp_path / "saved")
+    uninterrupted = run_on_ranks(_train_save_train, 2, "optim", saved, 1, 1)
+    copies = {}
+    for case in ("v1", "v1_missing", "v1_unlisted", "v3"):
+        copies[case] = str(tmp_path / case)
+        shutil.copytree(saved, copies[case])
+        _as_format_version_1(copies[case])
+    os.remove(os.path.join(copies["v1_missing"], "__1_0.distcp"))
+    # A version 1 save whose rank 1 wrote elsewhere: rank 0's listing lacks rank 1's file.
+    os.remove(os.path.join(copies["v1_unlisted"], "__1_0.distcp"))
+    _edit_marker(copies["v1_unlisted"], lambda m: m["files"].pop("__1_0.distcp"))
+    _edit_marker(copies["v3"], lambda m: m.update(version=3))
+
+    resumed = run_on_ranks(_load_and_train_capturing_stdout, 2, copies["v1"], 1)
+    note = "is format version 1 (saved before SHA-256 hashes were recorded)"
+    assert resumed[0]["printed"].count(note) == 1, resumed[0]["printed"]
+    assert "hashes were not verified" in resumed[0]["printed"]
+    assert note not in resumed[1]["printed"], resumed[1]["printed"]
+    for rank in range(2):
+        assert resumed[rank]["iteration"] == 1
+        _assert_bitwise_equal(
+            uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
+        )
+    _assert_loads_fail(
+        [
+            (
+                copies["v1_missing"],
+                "IncompleteCheckpointError",
+                ("__1_0.distcp (rank 1's shards) is missing",),
+            ),
+            (
+                copies["v1_unlisted"],
+                "IncompleteCheckpointError",
+                ("DCP's metadata references ['__1_0.distcp'], which its marker does not list",),
+            ),
+            (
+                copies["v3"],
+                "CheckpointMismatchError",
+                ("version 3; this reader expects megatron_muon.fsdp_dtensor version 2 (or 1)",),
             ),
         ]
     )

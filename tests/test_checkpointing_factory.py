@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests import gpt_parity
+from tests.checkpoint_toys import _assert_bitwise_equal, _local_snapshot
 from tests.harness import run_on_ranks
-from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -93,7 +93,7 @@ def _gpt_full_state(rank, world_size, strategy, path, save) -> dict:
     and optimizer state gathered to full tensors."""
     from megatron_muon import build_muon_optimizer
     from megatron_muon.checkpointing import leaf_optimizers, load_checkpoint, save_checkpoint
-    from tests.test_checkpointing import _full_snapshot
+    from tests.checkpoint_toys import _full_snapshot
 
     gpt_parity.init_megatron()
     model = gpt_parity.build_gpt(moe=True)

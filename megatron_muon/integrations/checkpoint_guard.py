@@ -28,13 +28,12 @@ import importlib
 import os
 from typing import Any
 
-import torch
-
 from megatron_muon.checkpointing import (
     CheckpointMismatchError,
     ensure_optimizer_state,
     leaf_optimizers,
 )
+from megatron_muon.checkpointing.optimizer_state import creates_state
 from megatron_muon.integrations import megatron_lm
 
 __all__ = ["install", "make_adam_state_rank_symmetric", "check_optimizer_state_kinds"]
@@ -72,12 +71,13 @@ def make_adam_state_rank_symmetric(optimizer: Any) -> None:
 
     Collective over each param's data-parallel mesh. ``optimizer``: megatron-core's optimizer for a
     Megatron-FSDP model (a ``DistributedOptimizer``, or a ``ChainedOptimizer`` of them) over
-    torch ``Adam``/``AdamW``; others (Transformer Engine's ``FusedAdam``, which keeps ``step`` per
-    group) get megatron-core's own ``init_state_fn``.
+    torch ``Adam``/``AdamW`` (state as ``checkpointing``'s ``create_state`` makes it); others
+    (Transformer Engine's ``FusedAdam``, which keeps ``step`` per group) get megatron-core's own
+    ``init_state_fn``.
     """
     for child in _children(optimizer):
         leaves = leaf_optimizers(child)
-        if all(isinstance(leaf, torch.optim.Adam) for leaf in leaves):
+        if all(creates_state(leaf) for leaf in leaves):
             ensure_optimizer_state(child)
             child.sharded_state_dict = _with_equal_steps(child, child.sharded_state_dict)
         elif getattr(child, "init_state_fn", None) is not None:

@@ -2,12 +2,11 @@
 
 A checkpoint is what ``torch.distributed.checkpoint`` (DCP) writes, the data files
 (``__<rank>_<i>.distcp``) and ``.metadata`` (which references every data file a load reads), plus
-the completion marker ``megatron_muon_checkpoint.json``: the manifest (``checkpointing``'s
-description of model and optimizer) and ``files``, every file of the checkpoint with its size and
-SHA-256.
+the completion marker ``megatron_muon_checkpoint.json``: the manifest (``manifest``'s description
+of model and optimizer) and ``files``, every file of the checkpoint with its size and SHA-256.
 
-Saving (``checkpointing.save_checkpoint`` runs these steps; each one that can fail on one rank ends
-in ``agree``, so every rank raises the same error):
+Saving (``save_checkpoint`` runs these steps; each one that can fail on one rank ends in
+``ranks.agree``, so every rank raises the same error):
 
 1. every rank passes the same absolute path (compared before anything is written);
 2. rank 0 creates ``<path>.incomplete`` with a token file; every rank must read that token there
@@ -21,11 +20,15 @@ Loading (``verify``): each rank reads the marker and ``.metadata``, checks that 
 metadata references is listed, exists and has its size, and hashes ``.metadata`` and its share of
 the data files, before any state is touched.
 
-Cost of the hashes: each file is read once more, by one rank, at save and at load (SHA-256 runs at
-0.4-0.5 GB/s per core on the project's CPU machine). Measured there side by side (hashes on, and
-replaced by a constant), megatron-core GPTModel, optim_grads_params, 2 gloo ranks, median of 5 on
-a shared machine (load average 13-18): 32 MB checkpoint, save 0.245 s vs 0.204 s, load 0.187 s
-vs 0.158 s; 216 MB, save 1.48 s vs 1.11 s, load 0.95 s vs 0.55 s (about +0.4 s per 216 MB).
+Format version 1 (checkpoints saved before the hashes were recorded): its marker maps each file
+(every file rank 0 saw in the directory) to its size only. Such a checkpoint loads with every check
+but the hashes: every file DCP's metadata references must be listed and present with its size,
+which also refuses a version-1 save whose ranks wrote to different directories (its marker misses
+their files). Bytes altered after the save without changing a size go unnoticed, as they did
+when version 1 was current.
+
+Cost of the hashes: each file is read once more, by one rank, at save and at load (measured in
+the README's checkpoint section).
 """
 
 from __future__ import annotations
@@ -39,19 +42,24 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_muon.checkpointing.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+)
+from megatron_muon.checkpointing.ranks import agree
+
 __all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "IncompleteCheckpointError",
     "FORMAT",
     "FORMAT_VERSION",
     "INCOMPLETE_SUFFIX",
     "MARKER_NAME",
     "REPLACED_SUFFIX",
-    "agree",
+    "UNHASHED_VERSION",
     "check_shared_directory",
     "create_directory",
+    "hashes_recorded",
     "publish",
     "read_marker",
     "verify",
@@ -59,52 +67,13 @@ __all__ = [
 
 FORMAT = "megatron_muon.fsdp_dtensor"
 FORMAT_VERSION = 2  # 2: the marker's files carry SHA-256 and follow DCP's metadata
+UNHASHED_VERSION = 1  # 1: the marker's files carry sizes only (name -> bytes); loaded unhashed
 MARKER_NAME = "megatron_muon_checkpoint.json"
 METADATA_NAME = ".metadata"
 INCOMPLETE_SUFFIX = ".incomplete"
 REPLACED_SUFFIX = ".replaced"
 _TOKEN_PREFIX = ".megatron_muon_save_"
 _MANIFEST_KEYS = ("iteration", "world_size", "params", "buffers", "optimizers", "has_scheduler")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; nothing was changed."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint directory does not exist."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """Not a whole checkpoint: no or a damaged marker, a file missing or altered."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """Saved from a different model or optimizer; the message names what differs."""
-
-
-def agree(error: BaseException | None, value: Any = None) -> list[Any]:
-    """Every rank's ``value``, after every rank learned whether some rank failed. Collective.
-
-    One ``all_gather_object`` of (error, value). If any rank failed, every rank raises: the failing
-    rank its own error, the others the lowest failing rank's (same type and message, rank named).
-    """
-    payloads: list[Any] = [None] * dist.get_world_size()
-    mine = (None if error is None else (type(error), str(error)), value)
-    dist.all_gather_object(payloads, mine)
-    for rank, (failure, _) in enumerate(payloads):
-        if failure is None:
-            continue
-        if error is not None:
-            raise error
-        kind, message = failure
-        suffix = "" if dist.get_world_size() == 1 else f" (reported by rank {rank})"
-        try:
-            peer_error = kind(message + suffix)
-        except TypeError:  # an exception type whose constructor takes more than a message
-            peer_error = CheckpointError(f"{kind.__name__}: {message}{suffix}")
-        raise peer_error
-    return [value for _, value in payloads]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,6 +221,18 @@ def _leftovers(path: str) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def _is_hashed_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and {"size", "sha256"} <= entry.keys()
+
+
+def _is_size(entry: Any) -> bool:
+    return isinstance(entry, int) and not isinstance(entry, bool) and entry >= 0
+
+
+# What a marker's ``files`` maps each name to, per format version.
+_FILE_ENTRY = {FORMAT_VERSION: _is_hashed_entry, UNHASHED_VERSION: _is_size}
+
+
 def read_marker(path: str) -> dict[str, Any]:
     """The manifest of checkpoint ``path``, or the error naming what is wrong with it."""
     if not os.path.isdir(path):
@@ -273,27 +254,29 @@ def read_marker(path: str) -> dict[str, Any]:
         ) from None
     if not isinstance(manifest, dict):
         raise IncompleteCheckpointError(f"checkpoint {path}: its marker {MARKER_NAME} is damaged")
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or type(version) is not int or version not in _FILE_ENTRY:
         raise CheckpointMismatchError(
-            f"checkpoint {path} has format {manifest.get('format')} version "
-            f"{manifest.get('version')}; this reader expects {FORMAT} version {FORMAT_VERSION}"
+            f"checkpoint {path} has format {manifest.get('format')} version {version}; this "
+            f"reader expects {FORMAT} version {FORMAT_VERSION} (or {UNHASHED_VERSION})"
         )
     missing = [key for key in (*_MANIFEST_KEYS, "files") if key not in manifest]
     files = manifest.get("files")
-    if (
-        missing
-        or not isinstance(files, dict)
-        or not all(
-            isinstance(entry, dict) and {"size", "sha256"} <= entry.keys()
-            for entry in files.values()
-        )
-    ):
+    if missing or not isinstance(files, dict) or not all(map(_FILE_ENTRY[version], files.values())):
         what = f"lacks {missing}" if missing else "has a damaged file list"
         raise IncompleteCheckpointError(
             f"checkpoint {path}: its marker {MARKER_NAME} {what} (damaged, or written by "
             "another program)"
         )
+    if version == UNHASHED_VERSION:
+        manifest["files"] = {name: {"size": size} for name, size in files.items()}
     return manifest
+
+
+def hashes_recorded(manifest: dict[str, Any]) -> bool:
+    """Whether ``read_marker``'s ``manifest`` lists SHA-256 hashes (format version 2), so that
+    ``verify`` checks them; version 1 markers list sizes only."""
+    return manifest["version"] == FORMAT_VERSION
 
 
 def verify(path: str, manifest: dict[str, Any]) -> None:
@@ -301,14 +284,17 @@ def verify(path: str, manifest: dict[str, Any]) -> None:
 
     Every rank checks sizes and ``.metadata``'s hash, then every file ``.metadata`` references is
     listed in the marker; each rank hashes its share of the data files. Collective only through
-    the caller's ``agree``.
+    the caller's ``agree``. A version 1 marker (``read_marker``'s ``manifest``) has no hashes:
+    sizes and the listing are checked, nothing is hashed.
     """
     files = manifest["files"]
+    hashed = hashes_recorded(manifest)
     for name, entry in files.items():
         _check_size(path, name, entry["size"])
     if METADATA_NAME not in files:
         raise IncompleteCheckpointError(f"checkpoint {path}: its marker does not list .metadata")
-    _check_hash(path, METADATA_NAME, files[METADATA_NAME]["sha256"])
+    if hashed:
+        _check_hash(path, METADATA_NAME, files[METADATA_NAME]["sha256"])
     referenced = _referenced_files(path)
     unlisted = [name for name in referenced if name not in files]
     if unlisted:
@@ -316,6 +302,8 @@ def verify(path: str, manifest: dict[str, Any]) -> None:
             f"checkpoint {path} is incomplete: DCP's metadata references {unlisted}, which its "
             f"marker does not list (the save lost them)"
         )
+    if not hashed:
+        return
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for name in referenced[rank::world_size]:
         if name != METADATA_NAME:
