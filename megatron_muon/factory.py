@@ -53,9 +53,10 @@ from torch.distributed.tensor import DTensor
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.console import print_rank_0
+from megatron_muon.megatron_fsdp_compat import unwrap_megatron_fsdp
 from megatron_muon.qk_clip import QKClip, find_self_attentions
 from megatron_muon.sharded_muon import ShardedMuon
-from megatron_muon.step_wrapper import FsdpStepWrapper, unwrap_megatron_fsdp
+from megatron_muon.step_wrapper import FsdpStepWrapper
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam"]
 

@@ -38,14 +38,12 @@ into the accumulated buffer, so gradient accumulation needs it False; together w
 ``overlap_grad_reduce=False`` under ``optim`` Megatron-FSDP reduces twice in the backward, and the
 wrapper refuses that module (``grad_sync.check_sync_settings``).
 
-``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class (the
-``megatron_fsdp`` package and megatron-core's vendored one) and megatron-core's
-``FullyShardedDataParallel`` wrapper (whose ``.module`` is the ``MegatronFSDP``).
+``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class and
+megatron-core's ``FullyShardedDataParallel`` wrapper (``megatron_muon.megatron_fsdp_compat``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,35 +57,12 @@ from megatron_muon.grad_sync import (
     prepare_next_backwards,
 )
 from megatron_muon.layout import local_tensor
+from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
 from megatron_muon.qk_clip import QKClip, QKClipStats
 
+# megatron_fsdp_classes and unwrap_megatron_fsdp are defined in megatron_fsdp_compat; importable
+# from here too, where the factory and the checkpointing took them from.
 __all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
-
-
-def megatron_fsdp_classes() -> tuple[type, ...]:
-    """The ``MegatronFSDP`` classes that can be installed: megatron_fsdp's and megatron-core's."""
-    classes = []
-    for name in ("megatron_fsdp", "megatron.core.distributed.fsdp.src.megatron_fsdp"):
-        try:
-            classes.append(importlib.import_module(name).MegatronFSDP)
-        except (ImportError, AttributeError):
-            continue
-    return tuple(classes)
-
-
-def unwrap_megatron_fsdp(chunk: Any) -> Any | None:
-    """The ``MegatronFSDP`` that drives ``chunk``, or None if ``chunk`` is not Megatron-FSDP.
-
-    Accepts a ``MegatronFSDP`` (either copy) or megatron-core's ``FullyShardedDataParallel``.
-    """
-    from megatron.core.distributed import FullyShardedDataParallel
-
-    classes = megatron_fsdp_classes()
-    if isinstance(chunk, classes):
-        return chunk
-    if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, classes):
-        return chunk.module
-    return None
 
 
 class FsdpStepWrapper(MegatronOptimizer):

@@ -40,7 +40,7 @@ def _wrapper_contract(rank: int, world_size: int) -> dict:
 
     from megatron_muon import build_muon_optimizer
     from megatron_muon.layout import local_tensor
-    from megatron_muon.step_wrapper import megatron_fsdp_classes, unwrap_megatron_fsdp
+    from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
 
     gpt_parity.init_megatron()
     run = Run("mcore", "optim_grads_params")

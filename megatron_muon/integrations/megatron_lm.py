@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from megatron_muon.arguments import check_muon_args
+from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
 __all__ = [
@@ -259,20 +260,6 @@ def _reduce_grads_across_hsdp_replicas(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------
 # 3. get_megatron_optimizer
 # --------------------------------------------------------------------------------------------------
-
-
-def uses_megatron_fsdp(model_chunks: Any) -> bool:
-    """True when a chunk is wrapped by Megatron-FSDP (megatron-core's wrapper or either copy)."""
-    from megatron.core.distributed import FullyShardedDataParallel
-
-    fsdp_classes: list[type] = [FullyShardedDataParallel]
-    for name in ("megatron.core.distributed.fsdp.src.megatron_fsdp", "megatron_fsdp"):
-        try:
-            fsdp_classes.append(importlib.import_module(name).MegatronFSDP)
-        except (ImportError, AttributeError):
-            continue
-    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    return any(isinstance(chunk, tuple(fsdp_classes)) for chunk in chunks)
 
 
 def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Callable[..., Any]:
