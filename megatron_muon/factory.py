@@ -8,29 +8,24 @@ Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It return
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
 - AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else.
 
-Routing is megatron-core's (REFERENCE.md section 4): Muon takes every 2-D param except embeddings
-and the output layer; the scalar optimizer takes embeddings (the word *and* the learned absolute
-position embedding, which stock megatron-core sends to Muon for lack of a tag, section 7), the
-output layer, biases, norms, every non-2-D param and params with ``use_muon=False``. A
-``config_overrides`` entry with an ``"optimizer"`` key routes the params it matches explicitly.
-Param groups (weight-decay and lr multipliers, decoupled lr) come from megatron-core's
-``_get_param_groups`` with ``get_standard_config_overrides`` when ``config_overrides`` is None.
-Experts are params of an expert layer (name contains ``experts``, not ``shared``; the rule by
-which megatron-core tags ``expert_tp``) or expert-parallel params (``allreduce=False``).
+Which param goes to which optimizer is ``megatron_muon.routing``'s (megatron-core's rules, plus the
+learned position embedding to the scalar optimizer). Param groups (weight-decay and lr
+multipliers, decoupled lr) come from megatron-core's ``_get_param_groups`` with
+``get_standard_config_overrides`` when ``config_overrides`` is None.
 
 Megatron-FSDP optimizer params are always fp32-or-wider main weights (the FSDP mixed-precision
 policy keeps compute weights in bf16 apart), so every sub-optimizer is an ``FP32Optimizer`` also
-under ``bf16``; Megatron's ``Float16OptimizerWithFloat16Params`` needs ``main_grad`` that FSDP
-DTensors do not have (section 7). Optimizer state is created at build time for every param on
-every rank (checkpoint keys must not depend on which rank holds rows, section 8), without a step
-(a zero-grad step would apply weight decay, section 5).
+under ``bf16``; Megatron's ``Float16OptimizerWithFloat16Params`` needs a ``main_grad`` that FSDP's
+DTensor main params do not have (megatron-core 0.19.2 crashes there with bf16). Optimizer state
+is created at build time for every param on every rank, without a step: Megatron-FSDP's
+``fsdp_dtensor`` checkpointing runs collectives per state tensor, so state keys must not depend on
+which rank holds rows, and a zero-grad step would apply weight decay.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,22 +34,18 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import (
     _get_megatron_optimizer_based_on_param_groups,
     _get_param_groups,
-    get_standard_config_overrides,
 )
-from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn, _get_qkv_split_shapes
+from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
-from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import VocabParallelEmbedding
-from megatron.core.transformer import TransformerConfig
-from torch.distributed.tensor import DTensor
 
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.console import print_rank_0
 from megatron_muon.megatron_fsdp_compat import unwrap_megatron_fsdp
 from megatron_muon.qk_clip import QKClip, find_self_attentions
+from megatron_muon.routing import RoutedParam, is_qkv, route_params, split_groups
 from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
@@ -64,19 +55,6 @@ __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam"]
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
 # ``OptimizerConfig.muon_scalar_optimizer`` -> display name (megatron-core builds the optimizer).
 _SCALAR_OPTIMIZERS: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
-
-_EMBEDDING_MODULES = (torch.nn.Embedding, VocabParallelEmbedding)
-
-
-@dataclass(frozen=True, slots=True)
-class RoutedParam:
-    """Where one param went: ``optimizer`` is "muon" or the scalar optimizer's name."""
-
-    name: str
-    optimizer: str
-    is_expert: bool
-    shape: tuple[int, ...]
-
 
 # --------------------------------------------------------------------------------------------------
 # public entry points
@@ -131,25 +109,12 @@ def build_muon_optimizer(
     if pg_collection is None and parallel_state.model_parallel_is_initialized():
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
 
-    named = _named_optimizer_params(chunks)
-    qkv_split_shapes = _tag_params(chunks, named)
-    user_overrides = (
-        get_standard_config_overrides(config) if config_overrides is None else config_overrides
-    )
     scalar_name = muon_config.scalar_optimizer
-    route = _router(user_overrides, chunks, scalar_name)
-    overrides = dict(user_overrides)
-    overrides[ParamKey(with_name_predicate=_routing_predicate(route, scalar_name))] = {
-        "optimizer": scalar_name
-    }
-    routing = [
-        RoutedParam(name, route(p, name), _is_expert(p), tuple(p.shape)) for name, p in named
-    ]
-    _check_muon_params(routing)
+    routing = route_params(chunks, config, config_overrides, scalar_name)
 
-    param_groups = _get_param_groups(chunks, config, overrides)
+    param_groups = _get_param_groups(chunks, config, routing.overrides)
     _set_initial_lr_and_weight_decay(param_groups, config)
-    by_target = _split_groups(param_groups, scalar_name)
+    by_target = split_groups(param_groups, scalar_name)
 
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
@@ -159,11 +124,12 @@ def build_muon_optimizer(
         if groups:
             muon, line = _muon_optimizer(
                 config,
+                muon_config,
                 groups,
                 is_expert,
                 pg_collection,
                 fsdp_modules,
-                qkv_split_shapes,
+                routing.qkv_split_shapes,
                 fsdp_config,
             )
             optimizers.append(muon)
@@ -194,7 +160,7 @@ def build_muon_optimizer(
     wrapper = FsdpStepWrapper(
         chained, fsdp_modules, grads_already_synced=grads_already_synced, qk_clip=qk_clip
     )
-    wrapper.routing = routing
+    wrapper.routing = routing.params
     wrapper.summary_lines = summary
     return wrapper
 
@@ -244,159 +210,9 @@ def _fsdp_modules(chunks: list[torch.nn.Module]) -> list[Any]:
     return modules
 
 
-def _named_optimizer_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    named = []
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    f"param {name} is a plain tensor, not a Megatron-FSDP optimizer param "
-                    "(DTensor): build the optimizer right after wrapping the model, before a "
-                    "forward pass swaps the compute weights in"
-                )
-            named.append((name, param))
-    return named
-
-
-def _check_muon_params(routing: list[RoutedParam]) -> None:
-    for entry in routing:
-        if entry.optimizer != "muon":
-            continue
-        if len(entry.shape) == 2 or (len(entry.shape) == 3 and entry.is_expert):
-            continue
-        raise ValueError(
-            f"param {entry.name} of shape {entry.shape} is routed to Muon, which orthogonalizes "
-            "matrices (2-D, or 3-D stacks of expert matrices): route it to the scalar optimizer"
-        )
-
-
 # --------------------------------------------------------------------------------------------------
-# tagging and routing
+# param groups
 # --------------------------------------------------------------------------------------------------
-
-
-def _orig(param: torch.Tensor) -> torch.Tensor:
-    """The raw module param behind a Megatron-FSDP optimizer param (attributes live there)."""
-    orig = getattr(param, "orig_param", None)
-    return param if orig is None else orig
-
-
-def _attr(param: torch.Tensor, name: str, default: Any = None) -> Any:
-    """``name`` from the optimizer param, else from its raw param (REFERENCE.md section 3)."""
-    value = getattr(param, name, None)
-    return value if value is not None else getattr(_orig(param), name, default)
-
-
-def _is_expert(param: torch.Tensor) -> bool:
-    """An expert-layer param (``expert_tp`` tag) or an expert-parallel one (``allreduce=False``)."""
-    return bool(getattr(param, "expert_tp", False)) or not _attr(param, "allreduce", True)
-
-
-def _is_qkv(param: torch.Tensor) -> bool:
-    """Megatron-core's QKV tag, on the optimizer param or its raw param."""
-    return bool(_attr(param, "is_qkv", False))
-
-
-def _transformer_config(chunk: torch.nn.Module) -> TransformerConfig | None:
-    module: Any = chunk
-    while module is not None:
-        config = getattr(module, "config", None)
-        if isinstance(config, TransformerConfig):
-            return config
-        module = getattr(module, "module", None)
-    return None
-
-
-def _tag_params(
-    chunks: list[torch.nn.Module], named: list[tuple[str, torch.Tensor]]
-) -> list[int] | None:
-    """Tags the optimizer params as megatron-core tags model params for Muon. Returns QKV split.
-
-    - ``allreduce`` copied from the raw param (as megatron-core's ``copy_optimizer_param_metadata``
-      does for its main params): expert-parallel grouping and TP-duplicate filtering read it;
-    - ``expert_tp`` on params of expert layers (name contains ``experts``, not ``shared``);
-    - ``is_qkv`` and ``qkv_split_shapes`` on 2-D ``linear_qkv.weight`` whose rows divide evenly.
-    """
-    shapes: list[int] | None = None
-    owner = {id(p): chunk for chunk in chunks for p in chunk.parameters()}
-    for name, param in named:
-        orig = _orig(param)
-        if orig is not param and hasattr(orig, "allreduce") and not hasattr(param, "allreduce"):
-            param.allreduce = orig.allreduce
-        if "experts" in name and "shared" not in name:
-            param.expert_tp = True
-        if "linear_qkv.weight" in name and param.ndim == 2:
-            config = _transformer_config(owner[id(param)])
-            if config is None:
-                continue
-            split = _get_qkv_split_shapes(config)
-            if param.shape[0] % sum(split) == 0:
-                param.is_qkv = True
-                param.qkv_split_shapes = split
-                shapes = shapes or split
-    return shapes
-
-
-def _router(
-    user_overrides: dict[ParamKey, Any], chunks: list[torch.nn.Module], scalar_name: str
-) -> Callable[[torch.Tensor, str], str]:
-    """``route(param, name) -> "muon" | scalar_name``."""
-    embeddings = {
-        id(p)
-        for chunk in chunks
-        for module in chunk.modules()
-        if isinstance(module, _EMBEDDING_MODULES)
-        for p in module.parameters()
-    }
-
-    def route(param: torch.Tensor, name: str) -> str:
-        matching = [o for key, o in user_overrides.items() if key.matches(param, name)]
-        explicit = combine_param_group_overrides(matching).get("optimizer") if matching else None
-        if explicit is not None:
-            return explicit
-        if (
-            id(param) in embeddings
-            or _attr(param, "is_embedding_or_output_parameter", False)
-            or _attr(param, "is_embedding_parameter", False)
-            or param.ndim != 2
-            or _attr(param, "use_muon", True) is False
-        ):
-            return scalar_name
-        return "muon"
-
-    return route
-
-
-def _routing_predicate(route: Callable[[torch.Tensor, str], str], scalar_name: str) -> Any:
-    from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
-
-    def to_scalar(param: torch.Tensor, name: str) -> bool:
-        # Only where no user override picks the optimizer (else the two would conflict).
-        return route(param, name) == scalar_name
-
-    return ParamWithNamePredicate(name="megatron_muon_scalar_params", fn=to_scalar)
-
-
-def _split_groups(param_groups: list[dict], scalar_name: str) -> dict[tuple[str, bool], list[dict]]:
-    """Param groups by (optimizer, is_expert); a group mixing experts and dense params is split."""
-    by_target: dict[tuple[str, bool], list[dict]] = {}
-    for group in param_groups:
-        target = group.get("optimizer", "muon")
-        if target not in ("muon", scalar_name):
-            raise ValueError(
-                f"config_overrides route params to optimizer {target!r}; megatron-muon builds "
-                f"'muon' and the scalar optimizer {scalar_name!r}"
-            )
-        parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        for param in group["params"]:
-            parts[_is_expert(param)].append(param)
-        for is_expert, params in parts.items():
-            # Empty groups are kept where _get_param_groups made them (rank-symmetric groups).
-            if params or not any(parts.values()):
-                by_target.setdefault((target, is_expert), []).append(group | {"params": params})
-    return by_target
 
 
 def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: OptimizerConfig) -> None:
@@ -444,6 +260,7 @@ def _dp_group(
 
 def _muon_optimizer(
     config: OptimizerConfig,
+    muon_config: MuonConfig,
     groups: list[dict],
     is_expert: bool,
     pg_collection: ProcessGroupCollection | None,
@@ -457,11 +274,11 @@ def _muon_optimizer(
         groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
-        is_qkv_fn=_is_qkv,
+        is_qkv_fn=is_qkv,
         qkv_split_shapes=qkv_split_shapes,
         pg_collection=pg_collection,
         dp_group=dp_group,
-        **MuonConfig.from_optimizer_config(config).tensor_parallel_muon_kwargs(),
+        **muon_config.tensor_parallel_muon_kwargs(),
         **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
