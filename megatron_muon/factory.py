@@ -1,8 +1,10 @@
 """``build_muon_optimizer``: Muon + AdamW (or Lion) for model chunks wrapped by Megatron-FSDP.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` meets
-Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It returns an
-``FsdpStepWrapper`` around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
+Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It returns the final
+optimizer: an ``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its
+subclass ``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip,
+around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
 
 - ``ShardedMuon`` for dense matrices, rows sharded over ``pg_collection.dp_cp``;
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
@@ -26,15 +28,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.optimizer import (
-    _get_megatron_optimizer_based_on_param_groups,
-    _get_param_groups,
-)
+from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
@@ -43,18 +40,39 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.console import print_rank_0
-from megatron_muon.megatron_fsdp_compat import unwrap_megatron_fsdp
+from megatron_muon.integrations.checkpointed_optimizer import MegatronCheckpointedOptimizer
+from megatron_muon.megatron_fsdp_compat import megatron_fsdp_modules
+from megatron_muon.process_groups import (
+    describe_groups,
+    resolve_pg_collection,
+    row_group,
+    strategy_name,
+)
 from megatron_muon.qk_clip import QKClip, find_self_attentions
-from megatron_muon.routing import RoutedParam, is_qkv, route_params, split_groups
+from megatron_muon.routing import (
+    RoutedParam,
+    Routing,
+    is_qkv,
+    param_groups_by_optimizer,
+    route_params,
+)
 from megatron_muon.sharded_muon import ShardedMuon
 from megatron_muon.step_wrapper import FsdpStepWrapper
 
-__all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam"]
+__all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
+
+#: ``build_muon_optimizer(ckpt_format=...)``: the checkpoint format of the optimizer's state.
+CkptFormatT = Literal["fsdp_dtensor"]
 
 # Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
 # ``OptimizerConfig.muon_scalar_optimizer`` -> display name (megatron-core builds the optimizer).
 _SCALAR_OPTIMIZERS: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
+# ``ckpt_format`` -> the step wrapper (module docstring of each).
+_STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
+    None: FsdpStepWrapper,
+    "fsdp_dtensor": MegatronCheckpointedOptimizer,
+}
 
 # --------------------------------------------------------------------------------------------------
 # public entry points
@@ -69,6 +87,8 @@ def build_muon_optimizer(
     *,
     fsdp_config: MuonFsdpConfig | None = None,
     grads_already_synced: bool = False,
+    ckpt_format: CkptFormatT | None = None,
+    stop_on_nonfinite_grad_norm: bool | None = None,
 ) -> FsdpStepWrapper:
     """Builds exact Muon (+ AdamW/Lion) for model chunks wrapped by Megatron-FSDP. Collective.
 
@@ -90,61 +110,38 @@ def build_muon_optimizer(
             forward swaps the compute weights in), and the wrapper runs it after each step.
         grads_already_synced: True inside Megatron-LM's training loop (``finalize_model_grads``
             already called ``finish_grad_sync``); False for a custom loop (see ``FsdpStepWrapper``).
+        ckpt_format: None: an ``FsdpStepWrapper``, checkpointed with
+            ``megatron_muon.save_checkpoint`` / ``load_checkpoint``; ``"fsdp_dtensor"``: a
+            ``MegatronCheckpointedOptimizer``, whose state goes into Megatron-LM's own
+            ``save_checkpoint`` / ``load_checkpoint`` with ``--ckpt-format fsdp_dtensor``.
+        stop_on_nonfinite_grad_norm: with ``ckpt_format="fsdp_dtensor"``: raise after a step
+            skipped for a NaN or Inf grad norm, as Megatron's ``--check-for-nan-in-loss-and-grad``
+            stops (None: True, Megatron's default). Only with ``ckpt_format="fsdp_dtensor"``; the
+            ``FsdpStepWrapper`` reports a skipped step with ``update_successful=False``.
 
     Returns:
-        ``FsdpStepWrapper`` around an ``FsdpChainedOptimizer``; ``.routing`` lists where each param
-        went and ``.summary_lines`` the lines printed (rank 0) at build time.
+        The step wrapper (``FsdpStepWrapper`` or ``MegatronCheckpointedOptimizer``) around an
+        ``FsdpChainedOptimizer``; ``.routing`` lists where each param went and
+        ``.summary_lines`` the lines printed (rank 0) at build time.
 
     Raises:
-        ValueError: unknown optimizer name, fp16, a Muon param that is not a matrix, params that
-            are not Megatron-FSDP optimizer params, missing ``expt_dp`` for a model with experts,
-            a process group that does not match the ranks a param is sharded over.
+        ValueError: unknown optimizer name or ``ckpt_format``, fp16, a Muon param that is not a
+            matrix, params that are not Megatron-FSDP optimizer params, missing ``expt_dp`` for
+            a model with experts, a process group that does not match the ranks a param is
+            sharded over, ``stop_on_nonfinite_grad_norm`` without ``ckpt_format="fsdp_dtensor"``.
         TypeError: a model chunk not wrapped by Megatron-FSDP.
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     _check_config(config)
-    fsdp_modules = _fsdp_modules(chunks)
+    _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
+    fsdp_modules = megatron_fsdp_modules(chunks)
     muon_config = MuonConfig.from_optimizer_config(config)
     fsdp_config = fsdp_config or MuonFsdpConfig()
-    if pg_collection is None and parallel_state.model_parallel_is_initialized():
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-
-    scalar_name = muon_config.scalar_optimizer
-    routing = route_params(chunks, config, config_overrides, scalar_name)
-
-    param_groups = _get_param_groups(chunks, config, routing.overrides)
-    _set_initial_lr_and_weight_decay(param_groups, config)
-    by_target = split_groups(param_groups, scalar_name)
-
-    optimizers: list[MegatronOptimizer] = []
-    summary: list[str] = []
-    strategy = _strategy(fsdp_modules)
-    for is_expert in (False, True):
-        groups = by_target.get(("muon", is_expert))
-        if groups:
-            muon, line = _muon_optimizer(
-                config,
-                muon_config,
-                groups,
-                is_expert,
-                pg_collection,
-                fsdp_modules,
-                routing.qkv_split_shapes,
-                fsdp_config,
-            )
-            optimizers.append(muon)
-            summary.append(
-                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
-                f"tp_mode {muon_config.tp_mode}"
-            )
-    scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
-    if scalar_groups:
-        scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
-        optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
-        summary.append(
-            f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
-            f"strategy {strategy}"
-        )
+    pg_collection = resolve_pg_collection(pg_collection)
+    routing = route_params(chunks, config, config_overrides, muon_config.scalar_optimizer)
+    optimizers, summary = _sub_optimizers(
+        config, muon_config, fsdp_config, routing, chunks, fsdp_modules, pg_collection
+    )
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
 
@@ -156,13 +153,19 @@ def build_muon_optimizer(
         )
         print_rank_0(summary[-1])
 
-    chained = FsdpChainedOptimizer(optimizers)
-    wrapper = FsdpStepWrapper(
-        chained, fsdp_modules, grads_already_synced=grads_already_synced, qk_clip=qk_clip
+    options: dict[str, Any] = {}
+    if ckpt_format == "fsdp_dtensor":
+        stop = True if stop_on_nonfinite_grad_norm is None else stop_on_nonfinite_grad_norm
+        options = {"model_chunks": chunks, "stop_on_nonfinite_grad_norm": stop}
+    return _STEP_WRAPPERS[ckpt_format](
+        FsdpChainedOptimizer(optimizers),
+        fsdp_modules,
+        grads_already_synced=grads_already_synced,
+        qk_clip=qk_clip,
+        routing=routing.params,
+        summary_lines=summary,
+        **options,
     )
-    wrapper.routing = routing.params
-    wrapper.summary_lines = summary
-    return wrapper
 
 
 #: The name Megatron-LM gives the same job (``get_megatron_optimizer``'s signature and role).
@@ -195,67 +198,70 @@ def _check_config(config: OptimizerConfig) -> None:
         raise ValueError("OptimizerConfig.lr must be set")
 
 
-def _fsdp_modules(chunks: list[torch.nn.Module]) -> list[Any]:
-    modules = []
-    for index, chunk in enumerate(chunks):
-        module = unwrap_megatron_fsdp(chunk)
-        if module is None:
-            raise TypeError(
-                f"model chunk {index} ({type(chunk).__name__}) is not wrapped by Megatron-FSDP: "
-                "build_muon_optimizer takes megatron.core.distributed.FullyShardedDataParallel or "
-                "a MegatronFSDP (megatron_fsdp.fully_shard_model); for DDP or unwrapped models use "
-                "megatron.core.optimizer.get_megatron_optimizer"
-            )
-        modules.append(module)
-    return modules
-
-
-# --------------------------------------------------------------------------------------------------
-# param groups
-# --------------------------------------------------------------------------------------------------
-
-
-def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: OptimizerConfig) -> None:
-    """What ``OptimizerParamScheduler`` sets at a constant schedule: ``lr = max_lr``,
-    ``weight_decay = config.weight_decay * wd_mult``, so a loop without a scheduler also
-    leaves biases and norms undecayed. A scheduler overwrites both every step."""
-    for group in param_groups:
-        group["lr"] = group.get("max_lr") if group.get("max_lr") is not None else config.lr
-        group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
-
-
-# --------------------------------------------------------------------------------------------------
-# process groups
-# --------------------------------------------------------------------------------------------------
-
-
-def _dp_group(
-    pg_collection: ProcessGroupCollection | None, fsdp_modules: list[Any], is_expert: bool
-) -> tuple[dist.ProcessGroup, str]:
-    """(group the rows are sharded over, its name for messages)."""
-    name = "expt_dp" if is_expert else "dp_cp"
-    if pg_collection is not None:
-        group = getattr(pg_collection, name, None)
-        if group is None:
-            raise ValueError(
-                f"the model has {'expert' if is_expert else 'dense'} Muon params but "
-                f"pg_collection has no {name} group: pass a ProcessGroupCollection with {name} "
-                "(megatron-core's: ProcessGroupCollection.use_mpu_process_groups())"
-            )
-        return group, name
-    group = fsdp_modules[0].get_distributed_index().get_dp_group(is_expert_parallel=is_expert)
-    if group is None:
+def _check_step_wrapper_options(
+    ckpt_format: CkptFormatT | None, stop_on_nonfinite_grad_norm: bool | None
+) -> None:
+    if ckpt_format not in _STEP_WRAPPERS:
         raise ValueError(
-            f"the model has {'expert' if is_expert else 'dense'} Muon params but no {name} group "
-            "is known: parallel_state is not initialized and Megatron-FSDP has no "
-            f"{'expert ' if is_expert else ''}data-parallel group; pass pg_collection with {name}"
+            f"ckpt_format must be one of {sorted(k for k in _STEP_WRAPPERS if k)} or None, got "
+            f"{ckpt_format!r}"
         )
-    return group, f"Megatron-FSDP {'expert ' if is_expert else ''}data-parallel group"
+    if stop_on_nonfinite_grad_norm is not None and ckpt_format != "fsdp_dtensor":
+        raise ValueError(
+            "stop_on_nonfinite_grad_norm applies to the optimizer of Megatron-LM's loop "
+            "(ckpt_format='fsdp_dtensor'); the FsdpStepWrapper reports a skipped step with "
+            "update_successful=False"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
 # sub-optimizers
 # --------------------------------------------------------------------------------------------------
+
+
+def _sub_optimizers(
+    config: OptimizerConfig,
+    muon_config: MuonConfig,
+    fsdp_config: MuonFsdpConfig,
+    routing: Routing,
+    chunks: list[torch.nn.Module],
+    fsdp_modules: list[Any],
+    pg_collection: ProcessGroupCollection | None,
+) -> tuple[list[MegatronOptimizer], list[str]]:
+    """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries."""
+    scalar_name = muon_config.scalar_optimizer
+    by_target = param_groups_by_optimizer(chunks, config, routing)
+
+    optimizers: list[MegatronOptimizer] = []
+    summary: list[str] = []
+    strategy = strategy_name(fsdp_modules)
+    for is_expert in (False, True):
+        groups = by_target.get(("muon", is_expert))
+        if groups:
+            muon, line = _muon_optimizer(
+                config,
+                muon_config,
+                groups,
+                is_expert,
+                pg_collection,
+                fsdp_modules,
+                routing.qkv_split_shapes,
+                fsdp_config,
+            )
+            optimizers.append(muon)
+            summary.append(
+                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
+                f"tp_mode {muon_config.tp_mode}"
+            )
+    scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
+    if scalar_groups:
+        scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
+        optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
+        summary.append(
+            f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
+            f"strategy {strategy}"
+        )
+    return optimizers, summary
 
 
 def _muon_optimizer(
@@ -269,7 +275,7 @@ def _muon_optimizer(
     fsdp_config: MuonFsdpConfig,
 ) -> tuple[FP32Optimizer, str]:
     """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
-    dp_group, dp_label = _dp_group(pg_collection, fsdp_modules, is_expert)
+    dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
     muon = _MUON_OPTIMIZERS[config.optimizer](
         groups,
         lr=config.lr,
@@ -282,15 +288,10 @@ def _muon_optimizer(
         **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
-    num_ranks = dist.get_world_size(dp_group)
     line = (
-        f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
-        f"({num_ranks} {'rank' if num_ranks == 1 else 'ranks'})"
+        f"megatron-muon Muon[{kind}]: {_count(groups)} over "
+        f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
-    tp_name = "expt_tp" if is_expert else "tp"
-    tp_group = getattr(pg_collection, tp_name, None) if pg_collection is not None else None
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        line += f" x {tp_name} ({dist.get_world_size(tp_group)} ranks)"
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
 
@@ -314,7 +315,7 @@ def _qk_clip(
             f"qk_clip_threshold={fsdp_config.qk_clip_threshold} but the model has no megatron-core "
             "SelfAttention layer to clip"
         )
-    group, _ = _dp_group(pg_collection, fsdp_modules, is_expert=False)
+    group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     return QKClip(attentions, fsdp_config.qk_clip_threshold, group=group)
 
 
@@ -393,12 +394,3 @@ def _wrap(
 def _count(groups: list[dict]) -> str:
     params = [p for g in groups for p in g["params"]]
     return f"{len(params)} params, {sum(p.numel() for p in params):,} elements"
-
-
-def _strategy(fsdp_modules: list[Any]) -> str:
-    module = fsdp_modules[0]
-    strategy = str(module.data_parallel_sharding_strategy)
-    if module.get_distributed_index().use_hybrid_fsdp:
-        outer = getattr(module.ddp_config, "outer_dp_sharding_strategy", "no_shard")
-        strategy = f"HSDP(outer {outer}, inner {strategy})"
-    return strategy

@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "MEGATRON_FSDP_PACKAGES",
     "megatron_fsdp_classes",
+    "megatron_fsdp_modules",
     "unwrap_megatron_fsdp",
     "uses_megatron_fsdp",
 ]
@@ -51,6 +52,26 @@ def unwrap_megatron_fsdp(chunk: Any) -> Any | None:
     if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, classes):
         return chunk.module
     return None
+
+
+def megatron_fsdp_modules(chunks: Sequence[Any]) -> list[Any]:
+    """The ``MegatronFSDP`` of every model chunk, in order (the optimizer factory's input check).
+
+    Raises:
+        TypeError: a chunk is not wrapped by Megatron-FSDP, naming its index and class.
+    """
+    modules = []
+    for index, chunk in enumerate(chunks):
+        module = unwrap_megatron_fsdp(chunk)
+        if module is None:
+            raise TypeError(
+                f"model chunk {index} ({type(chunk).__name__}) is not wrapped by Megatron-FSDP: "
+                "build_muon_optimizer takes megatron.core.distributed.FullyShardedDataParallel or "
+                "a MegatronFSDP (megatron_fsdp.fully_shard_model); for DDP or unwrapped models use "
+                "megatron.core.optimizer.get_megatron_optimizer"
+            )
+        modules.append(module)
+    return modules
 
 
 def uses_megatron_fsdp(model_chunks: Sequence[Any] | Any) -> bool:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core.optimizer import get_standard_config_overrides
+from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.emerging_optimizers import _get_qkv_split_shapes
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
 from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
@@ -33,7 +33,15 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer import TransformerConfig
 from torch.distributed.tensor import DTensor
 
-__all__ = ["RoutedParam", "Routing", "route_params", "split_groups", "is_expert", "is_qkv"]
+__all__ = [
+    "RoutedParam",
+    "Routing",
+    "route_params",
+    "param_groups_by_optimizer",
+    "split_groups",
+    "is_expert",
+    "is_qkv",
+]
 
 _EMBEDDING_MODULES = (torch.nn.Embedding, VocabParallelEmbedding)
 
@@ -231,6 +239,28 @@ def _routing_predicate(route: Callable[[torch.Tensor, str], str], scalar_name: s
         return route(param, name) == scalar_name
 
     return ParamWithNamePredicate(name="megatron_muon_scalar_params", fn=to_scalar)
+
+
+def param_groups_by_optimizer(
+    chunks: list[torch.nn.Module], config: OptimizerConfig, routing: Routing
+) -> dict[tuple[str, bool], list[dict]]:
+    """megatron-core's param groups for ``routing``, by (optimizer, is_expert), lr and decay set.
+
+    Raises:
+        ValueError: ``config_overrides`` route params to an optimizer megatron-muon does not build.
+    """
+    param_groups = _get_param_groups(chunks, config, routing.overrides)
+    _set_initial_lr_and_weight_decay(param_groups, config)
+    return split_groups(param_groups, config.muon_scalar_optimizer)
+
+
+def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: OptimizerConfig) -> None:
+    """What ``OptimizerParamScheduler`` sets at a constant schedule: ``lr = max_lr``,
+    ``weight_decay = config.weight_decay * wd_mult``, so a loop without a scheduler also
+    leaves biases and norms undecayed. A scheduler overwrites both every step."""
+    for group in param_groups:
+        group["lr"] = group.get("max_lr") if group.get("max_lr") is not None else config.lr
+        group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
 
 
 def split_groups(param_groups: list[dict], scalar_name: str) -> dict[tuple[str, bool], list[dict]]:

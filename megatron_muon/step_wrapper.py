@@ -85,6 +85,8 @@ class FsdpStepWrapper(MegatronOptimizer):
             params (row shards) before the first forward; ``clip()`` runs after every inner step
             and its ``QKClipStats`` is kept in ``last_qk_clip``; a step that clipped heads prints
             ``QK-clip: N heads clipped ...`` on rank 0 (at any logging level). None: no QK-clip.
+        routing: where each param went (the factory's ``RoutedParam`` list), kept as ``routing``.
+        summary_lines: the lines the factory printed at build time, kept as ``summary_lines``.
     """
 
     def __init__(
@@ -94,6 +96,8 @@ class FsdpStepWrapper(MegatronOptimizer):
         *,
         grads_already_synced: bool = False,
         qk_clip: QKClip | None = None,
+        routing: Sequence[Any] = (),
+        summary_lines: Sequence[str] = (),
     ) -> None:
         classes = megatron_fsdp_classes()
         for module in fsdp_modules:
@@ -111,9 +115,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         self.qk_clip = qk_clip
         #: The last step's QK-clip (heads clipped, largest max logit); None before or without it.
         self.last_qk_clip: QKClipStats | None = None
-        #: Where each param went and the lines printed at build time (set by the factory).
-        self.routing: list[Any] = []
-        self.summary_lines: list[str] = []
+        #: Where each param went and the lines printed at build time (given by the factory).
+        self.routing: list[Any] = list(routing)
+        self.summary_lines: list[str] = list(summary_lines)
 
     # ----------------------------------------------------------------------------------------------
     # the step
