@@ -2,7 +2,7 @@
 
 Megatron-FSDP keeps two copies of every weight: the optimizer's params (DTensor main weights, rows
 sharded over data-parallel ranks under optim/optim_grads/optim_grads_params) and the compute weights
-the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 and 9):
+the forward pass reads. An optimizer step on it is:
 
 1. the reduced gradients attached to the optimizer params, reduced exactly once
    (``megatron_muon.grad_sync.finish_grad_sync_once``): ``finish_grad_sync()`` alone is right only
@@ -165,8 +165,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         """A param with 0 local rows has ``grad is None`` on that rank: give it an empty grad.
 
         torch's AdamW skips params without a grad, so the per-param ``step`` count would stop on
-        ranks that hold no rows of a param and checkpoints would differ across ranks (REFERENCE.md
-        section 8). An empty grad changes no value; Muon already treats such ranks this way.
+        ranks that hold no rows of a param and checkpoints would differ across ranks (DCP keeps
+        one rank's copy of such a replicated value). An empty grad changes no value; Muon already
+        treats such ranks this way.
         """
         for param in self.inner.get_parameters():
             if param.grad is None and local_tensor(param).numel() == 0:

@@ -85,8 +85,8 @@ def _patch_coalesced_param_gather(package: str) -> None:
     (``_coalescing_manager(group, async_ops=True)``) and relies on CUDA stream ordering and the
     caching allocator (``record_stream``) to keep the target bucket alive until the gather is
     done. On CPU neither exists: a bucket recycled while gloo's worker thread still writes into it
-    corrupts the heap ("malloc(): unaligned tcache chunk detected", seen in a 2-rank pretrain
-    test). Synchronous coalescing removes the overlap, not any data.
+    corrupts the heap ("malloc(): unaligned tcache chunk detected" in a 2-rank pretrain run;
+    docs/megatron-fsdp-measurements.md). Synchronous coalescing removes the overlap, not any data.
     """
     module = import_optional(f"{package}.param_and_grad_buffer")
     if module is None:

@@ -130,7 +130,7 @@ def _reduce_grads_across_hsdp_replicas(args: argparse.Namespace) -> None:
     Megatron-FSDP reduces across the replicas (DP-outer group) only in its overlapped per-bucket
     reduction; with ``overlap_grad_reduce=False`` ``finish_grad_sync`` reduces over the inner
     group alone and each replica steps on its part of the batch, silently (tiny GPT, 4 ranks, 2
-    replicas, ``optim``: measured in the README's "What ``install()`` does"). Megatron-FSDP
+    replicas, ``optim``; measured: docs/megatron-fsdp-measurements.md). Megatron-FSDP
     forces the flag itself for ``optim_grads``/``optim_grads_params``; the overlapped reduction
     computes the same sums. Announced as ``validate_args`` announces its own changes
     (``warn_rank_0``). Adam with HSDP is left as stock megatron-core has it.
