@@ -68,7 +68,7 @@ CkptFormatT = Literal["fsdp_dtensor"]
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
 # ``OptimizerConfig.muon_scalar_optimizer`` -> display name (megatron-core builds the optimizer).
 _SCALAR_OPTIMIZERS: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
-# ``ckpt_format`` -> the step wrapper (module docstring of each).
+# ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
 _STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
     None: FsdpStepWrapper,
     "fsdp_dtensor": MegatronCheckpointedOptimizer,

@@ -68,8 +68,9 @@ def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -
 def get_batch(data_iterator: Any) -> tuple[torch.Tensor | None, ...]:
     """The next micro-batch on this rank: read on TP rank 0, broadcast over the TP group (PP = 1).
 
-    Returns ``(tokens, labels, loss_mask, attention_mask, position_ids)``, each
-    ``[micro_batch_size, seq_length]`` (``attention_mask`` None unless the data loader builds one).
+    Returns ``(tokens, labels, loss_mask, attention_mask, position_ids)``: each
+    ``[micro_batch_size, seq_length]`` but ``attention_mask``, which is None unless the data loader
+    builds one (``[micro_batch_size, 1, seq_length, seq_length]``).
     """
     from megatron.core import mpu
     from megatron.core.utils import get_batch_on_this_tp_rank
