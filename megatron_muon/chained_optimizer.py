@@ -2,8 +2,9 @@
 
 Stock ``ChainedOptimizer`` (megatron-core 0.19.2) computes the grad norm from each rank's *local*
 Megatron-FSDP shards reduced over the sub-optimizers' model-parallel group only, so under a sharded
-strategy every rank clips with a different, too small norm (REFERENCE.md section 7: 0.938 and 1.131
-on two ranks instead of 1.4696), and under ``no_shard`` a world reduction would count every replica.
+strategy every rank clips with a different, too small norm (measured:
+docs/megatron-fsdp-measurements.md), and under ``no_shard`` a world reduction would count every
+replica.
 
 Here each rank adds up its local grad elements once per distinct piece of the full gradient and one
 ``all_reduce`` over ``grad_stats_group`` (default: the world) sums the pieces:
@@ -77,6 +78,35 @@ def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     return grad, local
 
 
+def _global_sum(
+    params: Sequence[torch.Tensor],
+    per_grad: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    grad_stats_group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None,
+    expert_tp_group: dist.ProcessGroup | None,
+) -> float:
+    """Sum of ``per_grad(local grad)`` over the full gradient, each piece counted once. Collective.
+
+    ``per_grad`` maps one rank's local grad (any shape) to a float64 scalar tensor; each is
+    divided by the number of ranks holding the same piece, then summed over ``grad_stats_group``.
+    """
+    group_size = dist.get_world_size(grad_stats_group)
+    # Accumulated on the grads' device (one host sync at the end), in float64.
+    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
+    for param in params:
+        pair = _local_grad(param)
+        if pair is None or not _counted(param, tp_group, expert_tp_group):
+            continue
+        grad, local = pair
+        if local.numel() == 0:
+            continue
+        total += per_grad(local) / _replication(grad, group_size)
+    if group_size > 1:
+        dist.all_reduce(total, group=grad_stats_group)
+    return float(total.item())
+
+
 def global_grad_norm(
     params: Sequence[torch.Tensor],
     *,
@@ -93,21 +123,14 @@ def global_grad_norm(
         grad_stats_group: group spanning every rank that holds a piece of these grads.
         tp_group, expert_tp_group: tensor-parallel groups for duplicate filtering (None: TP=1).
     """
-    group_size = dist.get_world_size(grad_stats_group)
-    # Accumulated on the grads' device (one host sync at the end), in float64.
-    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
-    for param in params:
-        pair = _local_grad(param)
-        if pair is None or not _counted(param, tp_group, expert_tp_group):
-            continue
-        grad, local = pair
-        if local.numel() == 0:
-            continue
-        squares = torch.sum(local.detach().float().square(), dtype=torch.float64)
-        total += squares / _replication(grad, group_size)
-    if group_size > 1:
-        dist.all_reduce(total, group=grad_stats_group)
-    return math.sqrt(float(total.item()))
+    squares = _global_sum(
+        params,
+        lambda local: torch.sum(local.detach().float().square(), dtype=torch.float64),
+        grad_stats_group=grad_stats_group,
+        tp_group=tp_group,
+        expert_tp_group=expert_tp_group,
+    )
+    return math.sqrt(squares)
 
 
 def global_num_zeros(
@@ -117,19 +140,18 @@ def global_num_zeros(
     tp_group: dist.ProcessGroup | None = None,
     expert_tp_group: dist.ProcessGroup | None = None,
 ) -> float:
-    """Zero elements in the full gradient of ``params``, each element counted once. Collective."""
-    group_size = dist.get_world_size(grad_stats_group)
-    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
-    for param in params:
-        pair = _local_grad(param)
-        if pair is None or not _counted(param, tp_group, expert_tp_group):
-            continue
-        grad, local = pair
-        zeros = local.numel() - torch.count_nonzero(local)
-        total += zeros.double() / _replication(grad, group_size)
-    if group_size > 1:
-        dist.all_reduce(total, group=grad_stats_group)
-    return float(round(total.item()))
+    """Zero elements in the full gradient of ``params``, each element counted once. Collective.
+
+    Arguments as ``global_grad_norm``'s.
+    """
+    zeros = _global_sum(
+        params,
+        lambda local: (local.numel() - torch.count_nonzero(local)).double(),
+        grad_stats_group=grad_stats_group,
+        tp_group=tp_group,
+        expert_tp_group=expert_tp_group,
+    )
+    return float(round(zeros))
 
 
 def _reduction_device(params: Sequence[torch.Tensor]) -> torch.device:

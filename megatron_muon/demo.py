@@ -7,12 +7,8 @@ same embedded data (byte tokens of the Python standard library's sources, held-o
 split). Only ``--optimizer`` and the learning rate differ.
 
 Fair learning rates: each optimizer's peak LR is the best of a sweep on 100 iterations of the same
-config (validation loss at iteration 100, 2 CPU ranks, 2026-11-22); the schedule (10 warm-up
-iterations, cosine decay to LR/10) is the same for both:
-
-    peak lr   0.001   0.003   0.01    0.03
-    Muon      2.410   2.377   2.511   2.565     -> 0.003
-    AdamW       -     2.866   2.767   3.095     -> 0.01
+config (the table: docs/megatron-fsdp-measurements.md); the schedule (10 warm-up iterations, cosine
+decay to LR/10) is the same for both.
 
 Outputs, under ``--out`` (``demo_out/``): each run's console log and JSON log, ``summary.json`` and
 ``loss.png`` (train and validation loss of both runs).
@@ -33,7 +29,7 @@ from typing import Any
 __all__ = ["main", "DEMO_RUNS"]
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
-# optimizer -> peak learning rate (the best of the sweep described in the module docstring)
+# optimizer -> peak learning rate (the best of the sweep, docs/megatron-fsdp-measurements.md)
 DEMO_RUNS = {"muon": 0.003, "adam": 0.01}
 
 

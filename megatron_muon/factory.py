@@ -1,82 +1,79 @@
 """``build_muon_optimizer``: Muon + AdamW (or Lion) for model chunks wrapped by Megatron-FSDP.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` meets
-Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It returns an
-``FsdpStepWrapper`` around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
+Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It returns the final
+optimizer: an ``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its
+subclass ``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip,
+around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
 
 - ``ShardedMuon`` for dense matrices, rows sharded over ``pg_collection.dp_cp``;
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
 - AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else.
 
-Routing is megatron-core's (REFERENCE.md section 4): Muon takes every 2-D param except embeddings
-and the output layer; the scalar optimizer takes embeddings (the word *and* the learned absolute
-position embedding, which stock megatron-core sends to Muon for lack of a tag, section 7), the
-output layer, biases, norms, every non-2-D param and params with ``use_muon=False``. A
-``config_overrides`` entry with an ``"optimizer"`` key routes the params it matches explicitly.
-Param groups (weight-decay and lr multipliers, decoupled lr) come from megatron-core's
-``_get_param_groups`` with ``get_standard_config_overrides`` when ``config_overrides`` is None.
-Experts are params of an expert layer (name contains ``experts``, not ``shared``; the rule by
-which megatron-core tags ``expert_tp``) or expert-parallel params (``allreduce=False``).
+Which param goes to which optimizer is ``megatron_muon.routing``'s (megatron-core's rules, plus the
+learned position embedding to the scalar optimizer). Param groups (weight-decay and lr
+multipliers, decoupled lr) come from megatron-core's ``_get_param_groups`` with
+``get_standard_config_overrides`` when ``config_overrides`` is None.
 
 Megatron-FSDP optimizer params are always fp32-or-wider main weights (the FSDP mixed-precision
 policy keeps compute weights in bf16 apart), so every sub-optimizer is an ``FP32Optimizer`` also
-under ``bf16``; Megatron's ``Float16OptimizerWithFloat16Params`` needs ``main_grad`` that FSDP
-DTensors do not have (section 7). Optimizer state is created at build time for every param on
-every rank (checkpoint keys must not depend on which rank holds rows, section 8), without a step
-(a zero-grad step would apply weight decay, section 5).
+under ``bf16``; Megatron's ``Float16OptimizerWithFloat16Params`` needs a ``main_grad`` that FSDP's
+DTensor main params do not have (megatron-core 0.19.2 crashes there with bf16). Optimizer state
+is created at build time for every param on every rank, without a step: Megatron-FSDP's
+``fsdp_dtensor`` checkpointing runs collectives per state tensor, so state keys must not depend on
+which rank holds rows, and a zero-grad step would apply weight decay.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.optimizer import (
-    _get_megatron_optimizer_based_on_param_groups,
-    _get_param_groups,
-    get_standard_config_overrides,
-)
-from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn, _get_qkv_split_shapes
+from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
+from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
-from megatron.core.optimizer_param_scheduler import combine_param_group_overrides
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel import VocabParallelEmbedding
-from megatron.core.transformer import TransformerConfig
-from torch.distributed.tensor import DTensor
 
 from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.console import print_rank_0
+from megatron_muon.integrations.checkpointed_optimizer import MegatronCheckpointedOptimizer
+from megatron_muon.megatron_fsdp_compat import megatron_fsdp_modules
+from megatron_muon.process_groups import (
+    describe_groups,
+    resolve_pg_collection,
+    row_group,
+    strategy_name,
+)
 from megatron_muon.qk_clip import QKClip, find_self_attentions
+from megatron_muon.routing import (
+    RoutedParam,
+    Routing,
+    is_qkv,
+    param_groups_by_optimizer,
+    route_params,
+)
 from megatron_muon.sharded_muon import ShardedMuon
-from megatron_muon.step_wrapper import FsdpStepWrapper, unwrap_megatron_fsdp
+from megatron_muon.step_wrapper import FsdpStepWrapper
 
-__all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam"]
+__all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
+
+#: ``build_muon_optimizer(ckpt_format=...)``: the checkpoint format of the optimizer's state.
+CkptFormatT = Literal["fsdp_dtensor"]
 
 # Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
 # ``OptimizerConfig.muon_scalar_optimizer`` -> display name (megatron-core builds the optimizer).
 _SCALAR_OPTIMIZERS: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
-
-_EMBEDDING_MODULES = (torch.nn.Embedding, VocabParallelEmbedding)
-
-
-@dataclass(frozen=True, slots=True)
-class RoutedParam:
-    """Where one param went: ``optimizer`` is "muon" or the scalar optimizer's name."""
-
-    name: str
-    optimizer: str
-    is_expert: bool
-    shape: tuple[int, ...]
-
+# ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
+_STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
+    None: FsdpStepWrapper,
+    "fsdp_dtensor": MegatronCheckpointedOptimizer,
+}
 
 # --------------------------------------------------------------------------------------------------
 # public entry points
@@ -91,6 +88,8 @@ def build_muon_optimizer(
     *,
     fsdp_config: MuonFsdpConfig | None = None,
     grads_already_synced: bool = False,
+    ckpt_format: CkptFormatT | None = None,
+    stop_on_nonfinite_grad_norm: bool | None = None,
 ) -> FsdpStepWrapper:
     """Builds exact Muon (+ AdamW/Lion) for model chunks wrapped by Megatron-FSDP. Collective.
 
@@ -112,73 +111,38 @@ def build_muon_optimizer(
             forward swaps the compute weights in), and the wrapper runs it after each step.
         grads_already_synced: True inside Megatron-LM's training loop (``finalize_model_grads``
             already called ``finish_grad_sync``); False for a custom loop (see ``FsdpStepWrapper``).
+        ckpt_format: None: an ``FsdpStepWrapper``, checkpointed with
+            ``megatron_muon.save_checkpoint`` / ``load_checkpoint``; ``"fsdp_dtensor"``: a
+            ``MegatronCheckpointedOptimizer``, whose state goes into Megatron-LM's own
+            ``save_checkpoint`` / ``load_checkpoint`` with ``--ckpt-format fsdp_dtensor``.
+        stop_on_nonfinite_grad_norm: with ``ckpt_format="fsdp_dtensor"``: raise after a step
+            skipped for a NaN or Inf grad norm, as Megatron's ``--check-for-nan-in-loss-and-grad``
+            stops (None: True, Megatron's default). Only with ``ckpt_format="fsdp_dtensor"``; the
+            ``FsdpStepWrapper`` reports a skipped step with ``update_successful=False``.
 
     Returns:
-        ``FsdpStepWrapper`` around an ``FsdpChainedOptimizer``; ``.routing`` lists where each param
-        went and ``.summary_lines`` the lines printed (rank 0) at build time.
+        The step wrapper (``FsdpStepWrapper`` or ``MegatronCheckpointedOptimizer``) around an
+        ``FsdpChainedOptimizer``; ``.routing`` lists where each param went and
+        ``.summary_lines`` the lines printed (rank 0) at build time.
 
     Raises:
-        ValueError: unknown optimizer name, fp16, a Muon param that is not a matrix, params that
-            are not Megatron-FSDP optimizer params, missing ``expt_dp`` for a model with experts,
-            a process group that does not match the ranks a param is sharded over.
+        ValueError: unknown optimizer name or ``ckpt_format``, fp16, a Muon param that is not a
+            matrix, params that are not Megatron-FSDP optimizer params, missing ``expt_dp`` for
+            a model with experts, a process group that does not match the ranks a param is
+            sharded over, ``stop_on_nonfinite_grad_norm`` without ``ckpt_format="fsdp_dtensor"``.
         TypeError: a model chunk not wrapped by Megatron-FSDP.
     """
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     _check_config(config)
-    fsdp_modules = _fsdp_modules(chunks)
+    _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
+    fsdp_modules = megatron_fsdp_modules(chunks)
     muon_config = MuonConfig.from_optimizer_config(config)
     fsdp_config = fsdp_config or MuonFsdpConfig()
-    if pg_collection is None and parallel_state.model_parallel_is_initialized():
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-
-    named = _named_optimizer_params(chunks)
-    qkv_split_shapes = _tag_params(chunks, named)
-    user_overrides = (
-        get_standard_config_overrides(config) if config_overrides is None else config_overrides
+    pg_collection = resolve_pg_collection(pg_collection)
+    routing = route_params(chunks, config, config_overrides, muon_config.scalar_optimizer)
+    optimizers, summary = _sub_optimizers(
+        config, muon_config, fsdp_config, routing, chunks, fsdp_modules, pg_collection
     )
-    scalar_name = muon_config.scalar_optimizer
-    route = _router(user_overrides, chunks, scalar_name)
-    overrides = dict(user_overrides)
-    overrides[ParamKey(with_name_predicate=_routing_predicate(route, scalar_name))] = {
-        "optimizer": scalar_name
-    }
-    routing = [
-        RoutedParam(name, route(p, name), _is_expert(p), tuple(p.shape)) for name, p in named
-    ]
-    _check_muon_params(routing)
-
-    param_groups = _get_param_groups(chunks, config, overrides)
-    _set_initial_lr_and_weight_decay(param_groups, config)
-    by_target = _split_groups(param_groups, scalar_name)
-
-    optimizers: list[MegatronOptimizer] = []
-    summary: list[str] = []
-    strategy = _strategy(fsdp_modules)
-    for is_expert in (False, True):
-        groups = by_target.get(("muon", is_expert))
-        if groups:
-            muon, line = _muon_optimizer(
-                config,
-                groups,
-                is_expert,
-                pg_collection,
-                fsdp_modules,
-                qkv_split_shapes,
-                fsdp_config,
-            )
-            optimizers.append(muon)
-            summary.append(
-                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
-                f"tp_mode {muon_config.tp_mode}"
-            )
-    scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
-    if scalar_groups:
-        scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
-        optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
-        summary.append(
-            f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
-            f"strategy {strategy}"
-        )
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
 
@@ -190,13 +154,19 @@ def build_muon_optimizer(
         )
         print_rank_0(summary[-1])
 
-    chained = FsdpChainedOptimizer(optimizers)
-    wrapper = FsdpStepWrapper(
-        chained, fsdp_modules, grads_already_synced=grads_already_synced, qk_clip=qk_clip
+    options: dict[str, Any] = {}
+    if ckpt_format == "fsdp_dtensor":
+        stop = True if stop_on_nonfinite_grad_norm is None else stop_on_nonfinite_grad_norm
+        options = {"model_chunks": chunks, "stop_on_nonfinite_grad_norm": stop}
+    return _STEP_WRAPPERS[ckpt_format](
+        FsdpChainedOptimizer(optimizers),
+        fsdp_modules,
+        grads_already_synced=grads_already_synced,
+        qk_clip=qk_clip,
+        routing=routing.params,
+        summary_lines=summary,
+        **options,
     )
-    wrapper.routing = routing
-    wrapper.summary_lines = summary
-    return wrapper
 
 
 #: The name Megatron-LM gives the same job (``get_megatron_optimizer``'s signature and role).
@@ -229,212 +199,20 @@ def _check_config(config: OptimizerConfig) -> None:
         raise ValueError("OptimizerConfig.lr must be set")
 
 
-def _fsdp_modules(chunks: list[torch.nn.Module]) -> list[Any]:
-    modules = []
-    for index, chunk in enumerate(chunks):
-        module = unwrap_megatron_fsdp(chunk)
-        if module is None:
-            raise TypeError(
-                f"model chunk {index} ({type(chunk).__name__}) is not wrapped by Megatron-FSDP: "
-                "build_muon_optimizer takes megatron.core.distributed.FullyShardedDataParallel or "
-                "a MegatronFSDP (megatron_fsdp.fully_shard_model); for DDP or unwrapped models use "
-                "megatron.core.optimizer.get_megatron_optimizer"
-            )
-        modules.append(module)
-    return modules
-
-
-def _named_optimizer_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    named = []
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            if not isinstance(param, DTensor):
-                raise ValueError(
-                    f"param {name} is a plain tensor, not a Megatron-FSDP optimizer param "
-                    "(DTensor): build the optimizer right after wrapping the model, before a "
-                    "forward pass swaps the compute weights in"
-                )
-            named.append((name, param))
-    return named
-
-
-def _check_muon_params(routing: list[RoutedParam]) -> None:
-    for entry in routing:
-        if entry.optimizer != "muon":
-            continue
-        if len(entry.shape) == 2 or (len(entry.shape) == 3 and entry.is_expert):
-            continue
+def _check_step_wrapper_options(
+    ckpt_format: CkptFormatT | None, stop_on_nonfinite_grad_norm: bool | None
+) -> None:
+    if ckpt_format not in _STEP_WRAPPERS:
         raise ValueError(
-            f"param {entry.name} of shape {entry.shape} is routed to Muon, which orthogonalizes "
-            "matrices (2-D, or 3-D stacks of expert matrices): route it to the scalar optimizer"
+            f"ckpt_format must be one of {sorted(k for k in _STEP_WRAPPERS if k)} or None, got "
+            f"{ckpt_format!r}"
         )
-
-
-# --------------------------------------------------------------------------------------------------
-# tagging and routing
-# --------------------------------------------------------------------------------------------------
-
-
-def _orig(param: torch.Tensor) -> torch.Tensor:
-    """The raw module param behind a Megatron-FSDP optimizer param (attributes live there)."""
-    orig = getattr(param, "orig_param", None)
-    return param if orig is None else orig
-
-
-def _attr(param: torch.Tensor, name: str, default: Any = None) -> Any:
-    """``name`` from the optimizer param, else from its raw param (REFERENCE.md section 3)."""
-    value = getattr(param, name, None)
-    return value if value is not None else getattr(_orig(param), name, default)
-
-
-def _is_expert(param: torch.Tensor) -> bool:
-    """An expert-layer param (``expert_tp`` tag) or an expert-parallel one (``allreduce=False``)."""
-    return bool(getattr(param, "expert_tp", False)) or not _attr(param, "allreduce", True)
-
-
-def _is_qkv(param: torch.Tensor) -> bool:
-    """Megatron-core's QKV tag, on the optimizer param or its raw param."""
-    return bool(_attr(param, "is_qkv", False))
-
-
-def _transformer_config(chunk: torch.nn.Module) -> TransformerConfig | None:
-    module: Any = chunk
-    while module is not None:
-        config = getattr(module, "config", None)
-        if isinstance(config, TransformerConfig):
-            return config
-        module = getattr(module, "module", None)
-    return None
-
-
-def _tag_params(
-    chunks: list[torch.nn.Module], named: list[tuple[str, torch.Tensor]]
-) -> list[int] | None:
-    """Tags the optimizer params as megatron-core tags model params for Muon. Returns QKV split.
-
-    - ``allreduce`` copied from the raw param (as megatron-core's ``copy_optimizer_param_metadata``
-      does for its main params): expert-parallel grouping and TP-duplicate filtering read it;
-    - ``expert_tp`` on params of expert layers (name contains ``experts``, not ``shared``);
-    - ``is_qkv`` and ``qkv_split_shapes`` on 2-D ``linear_qkv.weight`` whose rows divide evenly.
-    """
-    shapes: list[int] | None = None
-    owner = {id(p): chunk for chunk in chunks for p in chunk.parameters()}
-    for name, param in named:
-        orig = _orig(param)
-        if orig is not param and hasattr(orig, "allreduce") and not hasattr(param, "allreduce"):
-            param.allreduce = orig.allreduce
-        if "experts" in name and "shared" not in name:
-            param.expert_tp = True
-        if "linear_qkv.weight" in name and param.ndim == 2:
-            config = _transformer_config(owner[id(param)])
-            if config is None:
-                continue
-            split = _get_qkv_split_shapes(config)
-            if param.shape[0] % sum(split) == 0:
-                param.is_qkv = True
-                param.qkv_split_shapes = split
-                shapes = shapes or split
-    return shapes
-
-
-def _router(
-    user_overrides: dict[ParamKey, Any], chunks: list[torch.nn.Module], scalar_name: str
-) -> Callable[[torch.Tensor, str], str]:
-    """``route(param, name) -> "muon" | scalar_name``."""
-    embeddings = {
-        id(p)
-        for chunk in chunks
-        for module in chunk.modules()
-        if isinstance(module, _EMBEDDING_MODULES)
-        for p in module.parameters()
-    }
-
-    def route(param: torch.Tensor, name: str) -> str:
-        matching = [o for key, o in user_overrides.items() if key.matches(param, name)]
-        explicit = combine_param_group_overrides(matching).get("optimizer") if matching else None
-        if explicit is not None:
-            return explicit
-        if (
-            id(param) in embeddings
-            or _attr(param, "is_embedding_or_output_parameter", False)
-            or _attr(param, "is_embedding_parameter", False)
-            or param.ndim != 2
-            or _attr(param, "use_muon", True) is False
-        ):
-            return scalar_name
-        return "muon"
-
-    return route
-
-
-def _routing_predicate(route: Callable[[torch.Tensor, str], str], scalar_name: str) -> Any:
-    from megatron.core.optimizer.optimizer_config import ParamWithNamePredicate
-
-    def to_scalar(param: torch.Tensor, name: str) -> bool:
-        # Only where no user override picks the optimizer (else the two would conflict).
-        return route(param, name) == scalar_name
-
-    return ParamWithNamePredicate(name="megatron_muon_scalar_params", fn=to_scalar)
-
-
-def _split_groups(param_groups: list[dict], scalar_name: str) -> dict[tuple[str, bool], list[dict]]:
-    """Param groups by (optimizer, is_expert); a group mixing experts and dense params is split."""
-    by_target: dict[tuple[str, bool], list[dict]] = {}
-    for group in param_groups:
-        target = group.get("optimizer", "muon")
-        if target not in ("muon", scalar_name):
-            raise ValueError(
-                f"config_overrides route params to optimizer {target!r}; megatron-muon builds "
-                f"'muon' and the scalar optimizer {scalar_name!r}"
-            )
-        parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
-        for param in group["params"]:
-            parts[_is_expert(param)].append(param)
-        for is_expert, params in parts.items():
-            # Empty groups are kept where _get_param_groups made them (rank-symmetric groups).
-            if params or not any(parts.values()):
-                by_target.setdefault((target, is_expert), []).append(group | {"params": params})
-    return by_target
-
-
-def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: OptimizerConfig) -> None:
-    """What ``OptimizerParamScheduler`` sets at a constant schedule: ``lr = max_lr``,
-    ``weight_decay = config.weight_decay * wd_mult``, so a loop without a scheduler also
-    leaves biases and norms undecayed. A scheduler overwrites both every step."""
-    for group in param_groups:
-        group["lr"] = group.get("max_lr") if group.get("max_lr") is not None else config.lr
-        group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
-
-
-# --------------------------------------------------------------------------------------------------
-# process groups
-# --------------------------------------------------------------------------------------------------
-
-
-def _dp_group(
-    pg_collection: ProcessGroupCollection | None, fsdp_modules: list[Any], is_expert: bool
-) -> tuple[dist.ProcessGroup, str]:
-    """(group the rows are sharded over, its name for messages)."""
-    name = "expt_dp" if is_expert else "dp_cp"
-    if pg_collection is not None:
-        group = getattr(pg_collection, name, None)
-        if group is None:
-            raise ValueError(
-                f"the model has {'expert' if is_expert else 'dense'} Muon params but "
-                f"pg_collection has no {name} group: pass a ProcessGroupCollection with {name} "
-                "(megatron-core's: ProcessGroupCollection.use_mpu_process_groups())"
-            )
-        return group, name
-    group = fsdp_modules[0].get_distributed_index().get_dp_group(is_expert_parallel=is_expert)
-    if group is None:
+    if stop_on_nonfinite_grad_norm is not None and ckpt_format != "fsdp_dtensor":
         raise ValueError(
-            f"the model has {'expert' if is_expert else 'dense'} Muon params but no {name} group "
-            "is known: parallel_state is not initialized and Megatron-FSDP has no "
-            f"{'expert ' if is_expert else ''}data-parallel group; pass pg_collection with {name}"
+            "stop_on_nonfinite_grad_norm applies to the optimizer of Megatron-LM's loop "
+            "(ckpt_format='fsdp_dtensor'); the FsdpStepWrapper reports a skipped step with "
+            "update_successful=False"
         )
-    return group, f"Megatron-FSDP {'expert ' if is_expert else ''}data-parallel group"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -442,8 +220,54 @@ def _dp_group(
 # --------------------------------------------------------------------------------------------------
 
 
+def _sub_optimizers(
+    config: OptimizerConfig,
+    muon_config: MuonConfig,
+    fsdp_config: MuonFsdpConfig,
+    routing: Routing,
+    chunks: list[torch.nn.Module],
+    fsdp_modules: list[Any],
+    pg_collection: ProcessGroupCollection | None,
+) -> tuple[list[MegatronOptimizer], list[str]]:
+    """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries."""
+    scalar_name = muon_config.scalar_optimizer
+    by_target = param_groups_by_optimizer(chunks, config, routing)
+
+    optimizers: list[MegatronOptimizer] = []
+    summary: list[str] = []
+    strategy = strategy_name(fsdp_modules)
+    for is_expert in (False, True):
+        groups = by_target.get(("muon", is_expert))
+        if groups:
+            muon, line = _muon_optimizer(
+                config,
+                muon_config,
+                groups,
+                is_expert,
+                pg_collection,
+                fsdp_modules,
+                routing.qkv_split_shapes,
+                fsdp_config,
+            )
+            optimizers.append(muon)
+            summary.append(
+                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
+                f"tp_mode {muon_config.tp_mode}"
+            )
+    scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
+    if scalar_groups:
+        scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
+        optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
+        summary.append(
+            f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
+            f"strategy {strategy}"
+        )
+    return optimizers, summary
+
+
 def _muon_optimizer(
     config: OptimizerConfig,
+    muon_config: MuonConfig,
     groups: list[dict],
     is_expert: bool,
     pg_collection: ProcessGroupCollection | None,
@@ -452,28 +276,23 @@ def _muon_optimizer(
     fsdp_config: MuonFsdpConfig,
 ) -> tuple[FP32Optimizer, str]:
     """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
-    dp_group, dp_label = _dp_group(pg_collection, fsdp_modules, is_expert)
+    dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
     muon = _MUON_OPTIMIZERS[config.optimizer](
         groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
-        is_qkv_fn=_is_qkv,
+        is_qkv_fn=is_qkv,
         qkv_split_shapes=qkv_split_shapes,
         pg_collection=pg_collection,
         dp_group=dp_group,
-        **MuonConfig.from_optimizer_config(config).tensor_parallel_muon_kwargs(),
+        **muon_config.tensor_parallel_muon_kwargs(),
         **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
-    num_ranks = dist.get_world_size(dp_group)
     line = (
-        f"megatron-muon Muon[{kind}]: {_count(groups)} over {dp_label} "
-        f"({num_ranks} {'rank' if num_ranks == 1 else 'ranks'})"
+        f"megatron-muon Muon[{kind}]: {_count(groups)} over "
+        f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
-    tp_name = "expt_tp" if is_expert else "tp"
-    tp_group = getattr(pg_collection, tp_name, None) if pg_collection is not None else None
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        line += f" x {tp_name} ({dist.get_world_size(tp_group)} ranks)"
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
 
@@ -497,7 +316,7 @@ def _qk_clip(
             f"qk_clip_threshold={fsdp_config.qk_clip_threshold} but the model has no megatron-core "
             "SelfAttention layer to clip"
         )
-    group, _ = _dp_group(pg_collection, fsdp_modules, is_expert=False)
+    group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     return QKClip(attentions, fsdp_config.qk_clip_threshold, group=group)
 
 
@@ -547,12 +366,3 @@ def _wrap(
 def _count(groups: list[dict]) -> str:
     params = [p for g in groups for p in g["params"]]
     return f"{len(params)} params, {sum(p.numel() for p in params):,} elements"
-
-
-def _strategy(fsdp_modules: list[Any]) -> str:
-    module = fsdp_modules[0]
-    strategy = str(module.data_parallel_sharding_strategy)
-    if module.get_distributed_index().use_hybrid_fsdp:
-        outer = getattr(module.ddp_config, "outer_dp_sharding_strategy", "no_shard")
-        strategy = f"HSDP(outer {outer}, inner {strategy})"
-    return strategy

@@ -16,10 +16,10 @@ the gradients of a ``MegatronFSDP`` module?
   not the backward launched anything*.
 
 So ``finish_grad_sync()`` is right only when "the backward reduced" equals
-``overlap_grad_reduce``. Measured on the tiny GPT (2 CPU ranks, plain loop zero_grad -> backward ->
-step): megatron-core's wrapper with ``overlap_grad_reduce=True`` under no_shard / optim never
-reduced (grad norm 1.665 / 1.700 instead of 1.162); with ``overlap_grad_reduce=False`` after a
-``no_sync()`` block it reduced twice. ``finish_grad_sync_once`` reads which case it is in from the
+``overlap_grad_reduce``: in a plain loop (zero_grad -> backward -> step) megatron-core's wrapper
+with ``overlap_grad_reduce=True`` under no_shard / optim never reduced, and with
+``overlap_grad_reduce=False`` after a ``no_sync()`` block it reduced twice (measured:
+docs/megatron-fsdp-measurements.md). ``finish_grad_sync_once`` reads which case it is in from the
 pipeline's own bookkeeping: the backward hooks point ``param.main_grad`` of each raw param at its
 unreduced gradient, and the pipeline's ``reset()`` after a reduction drops those references. It
 then reduces exactly once:
@@ -42,8 +42,8 @@ under ``no_sync()``.
 
 One setting cannot be made right after the fact: ``fully_shard_model`` with
 ``sync_model_each_microbatch=True`` and ``overlap_grad_reduce=False`` under ``optim`` reduces twice
-inside the backward (the pipeline, then its own ``finish_grad_sync``), which scales the gradient
-(0.55x measured); ``check_sync_settings`` refuses it. (Under ``no_shard`` the second all-reduce of
+inside the backward (the pipeline, then its own ``finish_grad_sync``), which scales the gradient;
+``check_sync_settings`` refuses it. (Under ``no_shard`` the second all-reduce of
 equal replicas changes nothing.)
 """
 

@@ -2,7 +2,7 @@
 
 Megatron-FSDP keeps two copies of every weight: the optimizer's params (DTensor main weights, rows
 sharded over data-parallel ranks under optim/optim_grads/optim_grads_params) and the compute weights
-the forward pass reads. An optimizer step on it is (REFERENCE.md sections 2, 5 and 9):
+the forward pass reads. An optimizer step on it is:
 
 1. the reduced gradients attached to the optimizer params, reduced exactly once
    (``megatron_muon.grad_sync.finish_grad_sync_once``): ``finish_grad_sync()`` alone is right only
@@ -38,14 +38,12 @@ into the accumulated buffer, so gradient accumulation needs it False; together w
 ``overlap_grad_reduce=False`` under ``optim`` Megatron-FSDP reduces twice in the backward, and the
 wrapper refuses that module (``grad_sync.check_sync_settings``).
 
-``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class (the
-``megatron_fsdp`` package and megatron-core's vendored one) and megatron-core's
-``FullyShardedDataParallel`` wrapper (whose ``.module`` is the ``MegatronFSDP``).
+``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class and
+megatron-core's ``FullyShardedDataParallel`` wrapper (``megatron_muon.megatron_fsdp_compat``).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,35 +57,12 @@ from megatron_muon.grad_sync import (
     prepare_next_backwards,
 )
 from megatron_muon.layout import local_tensor
+from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
 from megatron_muon.qk_clip import QKClip, QKClipStats
 
+# megatron_fsdp_classes and unwrap_megatron_fsdp are defined in megatron_fsdp_compat; importable
+# from here too, where the factory and the checkpointing took them from.
 __all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
-
-
-def megatron_fsdp_classes() -> tuple[type, ...]:
-    """The ``MegatronFSDP`` classes that can be installed: megatron_fsdp's and megatron-core's."""
-    classes = []
-    for name in ("megatron_fsdp", "megatron.core.distributed.fsdp.src.megatron_fsdp"):
-        try:
-            classes.append(importlib.import_module(name).MegatronFSDP)
-        except (ImportError, AttributeError):
-            continue
-    return tuple(classes)
-
-
-def unwrap_megatron_fsdp(chunk: Any) -> Any | None:
-    """The ``MegatronFSDP`` that drives ``chunk``, or None if ``chunk`` is not Megatron-FSDP.
-
-    Accepts a ``MegatronFSDP`` (either copy) or megatron-core's ``FullyShardedDataParallel``.
-    """
-    from megatron.core.distributed import FullyShardedDataParallel
-
-    classes = megatron_fsdp_classes()
-    if isinstance(chunk, classes):
-        return chunk
-    if isinstance(chunk, FullyShardedDataParallel) and isinstance(chunk.module, classes):
-        return chunk.module
-    return None
 
 
 class FsdpStepWrapper(MegatronOptimizer):
@@ -110,6 +85,8 @@ class FsdpStepWrapper(MegatronOptimizer):
             params (row shards) before the first forward; ``clip()`` runs after every inner step
             and its ``QKClipStats`` is kept in ``last_qk_clip``; a step that clipped heads prints
             ``QK-clip: N heads clipped ...`` on rank 0 (at any logging level). None: no QK-clip.
+        routing: where each param went (the factory's ``RoutedParam`` list), kept as ``routing``.
+        summary_lines: the lines the factory printed at build time, kept as ``summary_lines``.
     """
 
     def __init__(
@@ -119,6 +96,8 @@ class FsdpStepWrapper(MegatronOptimizer):
         *,
         grads_already_synced: bool = False,
         qk_clip: QKClip | None = None,
+        routing: Sequence[Any] = (),
+        summary_lines: Sequence[str] = (),
     ) -> None:
         classes = megatron_fsdp_classes()
         for module in fsdp_modules:
@@ -136,9 +115,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         self.qk_clip = qk_clip
         #: The last step's QK-clip (heads clipped, largest max logit); None before or without it.
         self.last_qk_clip: QKClipStats | None = None
-        #: Where each param went and the lines printed at build time (set by the factory).
-        self.routing: list[Any] = []
-        self.summary_lines: list[str] = []
+        #: Where each param went and the lines printed at build time (given by the factory).
+        self.routing: list[Any] = list(routing)
+        self.summary_lines: list[str] = list(summary_lines)
 
     # ----------------------------------------------------------------------------------------------
     # the step
@@ -186,8 +165,9 @@ class FsdpStepWrapper(MegatronOptimizer):
         """A param with 0 local rows has ``grad is None`` on that rank: give it an empty grad.
 
         torch's AdamW skips params without a grad, so the per-param ``step`` count would stop on
-        ranks that hold no rows of a param and checkpoints would differ across ranks (REFERENCE.md
-        section 8). An empty grad changes no value; Muon already treats such ranks this way.
+        ranks that hold no rows of a param and checkpoints would differ across ranks (DCP keeps
+        one rank's copy of such a replicated value). An empty grad changes no value; Muon already
+        treats such ranks this way.
         """
         for param in self.inner.get_parameters():
             if param.grad is None and local_tensor(param).numel() == 0:

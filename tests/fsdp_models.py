@@ -7,7 +7,7 @@ from torch import nn
 
 
 class ToyMLP(nn.Module):
-    """Two linears whose shapes give uneven Megatron-FSDP row splits (REFERENCE.md section 3)."""
+    """Two linears whose shapes give uneven (and, on 3 ranks, empty) Megatron-FSDP row splits."""
 
     def __init__(self, dim: int = 16, hidden: int = 48) -> None:
         super().__init__()

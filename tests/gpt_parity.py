@@ -354,7 +354,7 @@ def deviations(
 
     In ``linear_qkv.bias`` the key-bias rows are left out: their gradient is mathematically zero
     (a key bias shifts every score of a query equally; softmax ignores it), ~1e-12 with either
-    sign in fp32, which AdamW's m / (sqrt(v) + eps) turns into noise (REFERENCE.md section 6).
+    sign in fp32, which AdamW's m / (sqrt(v) + eps) turns into noise.
     """
     from megatron_muon.layout import local_tensor
 

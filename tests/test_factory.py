@@ -200,6 +200,24 @@ def test_a_chunk_not_wrapped_by_megatron_fsdp_is_refused():
         build_muon_optimizer(gpt_parity.optimizer_config(), [torch.nn.Linear(2, 2)])
 
 
+def test_an_unknown_checkpoint_format_is_refused_before_anything_is_built():
+    from megatron_muon import build_muon_optimizer
+
+    with pytest.raises(ValueError, match=r"ckpt_format must be one of \['fsdp_dtensor'\].*'torch'"):
+        build_muon_optimizer(
+            gpt_parity.optimizer_config(), [torch.nn.Linear(2, 2)], ckpt_format="torch"
+        )
+
+
+def test_stopping_on_a_nonfinite_grad_norm_is_refused_without_megatron_checkpoints():
+    from megatron_muon import build_muon_optimizer
+
+    with pytest.raises(ValueError, match="stop_on_nonfinite_grad_norm applies to"):
+        build_muon_optimizer(
+            gpt_parity.optimizer_config(), [torch.nn.Linear(2, 2)], stop_on_nonfinite_grad_norm=True
+        )
+
+
 def _build_variants(rank: int, world_size: int) -> dict:
     from megatron.core.optimizer import get_standard_config_overrides
     from megatron.core.optimizer.optimizer_config import ParamKey

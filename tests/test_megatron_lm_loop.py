@@ -36,7 +36,7 @@ def assert_loss_falls(losses: list[float], num_iters: int = 5) -> None:
     """The loss over the first ``num_iters`` iterations falls by at least 5%.
 
     A run whose compute weights never change (stock megatron-core's Muon under no_shard, which
-    steps the main weights but never installs them: REFERENCE.md section 7) prints the same loss
+    steps the main weights but never installs them into the compute weights) prints the same loss
     at every iteration and fails here.
     """
     first, last = losses[0], losses[num_iters - 1]
@@ -210,7 +210,7 @@ def test_install_accepts_every_checked_megatron_core_release(
 
 
 def test_loss_check_rejects_a_flat_no_shard_run() -> None:
-    # Stock megatron-core's Muon under no_shard on 2 ranks (REFERENCE.md section 7).
+    # Stock megatron-core 0.19.2's Muon under no_shard on 2 ranks: the same loss every iteration.
     with pytest.raises(AssertionError, match="did not fall"):
         assert_loss_falls([5.56916] * 5)
 
@@ -340,7 +340,7 @@ def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
 
 
 def test_only_megatron_fsdp_chunks_count_as_megatron_fsdp() -> None:
-    from megatron_muon.integrations.megatron_lm import uses_megatron_fsdp
+    from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
 
     assert not uses_megatron_fsdp([torch.nn.Linear(4, 4)])
     assert not uses_megatron_fsdp(torch.nn.Linear(4, 4))

@@ -22,9 +22,9 @@ MODEL_AND_RUN_LENGTH = [
 
 
 def _defaults(flags: list[str], has_gpu: bool = False) -> list[tuple[str, ...]]:
-    from megatron_muon.pretrain import _parser
+    from megatron_muon.pretrain_args import parser
 
-    return default_flags(_parser(), flags, has_gpu=has_gpu)
+    return default_flags(parser(), flags, has_gpu=has_gpu)
 
 
 def test_model_and_run_length_flags_get_megatron_fsdp_and_every_run_default():

@@ -250,7 +250,7 @@ def _loss_checks(rank: int, world_size: int) -> dict:
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
     from megatron.training.global_vars import set_args
 
-    from megatron_muon.pretrain import _loss_func
+    from megatron_muon.pretrain_data import loss_func
 
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     mask = torch.ones(2, 4)
@@ -263,7 +263,7 @@ def _loss_checks(rank: int, world_size: int) -> dict:
             output = torch.ones(2, 4)
             output[1, 2] = value
             try:
-                _loss_func(mask, output)
+                loss_func(mask, output)
                 results[(check, kind)] = None
             except RuntimeError as error:
                 results[(check, kind)] = str(error)

@@ -40,7 +40,7 @@ def _wrapper_contract(rank: int, world_size: int) -> dict:
 
     from megatron_muon import build_muon_optimizer
     from megatron_muon.layout import local_tensor
-    from megatron_muon.step_wrapper import megatron_fsdp_classes, unwrap_megatron_fsdp
+    from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
 
     gpt_parity.init_megatron()
     run = Run("mcore", "optim_grads_params")
@@ -163,8 +163,8 @@ def test_param_groups_follow_the_scheduler_and_skip_decay_on_biases_and_norms(co
 
 
 def test_grad_norm_is_the_full_gradient_norm_on_every_rank(contract):
-    # Stock ChainedOptimizer sums local FSDP shards over the model-parallel group only
-    # (REFERENCE.md section 7): a different, too small norm on each rank.
+    # Stock ChainedOptimizer (megatron-core 0.19.2) sums local FSDP shards over the
+    # model-parallel group only: a different, too small norm on each rank.
     for result in contract:
         assert result["global_norm"] == pytest.approx(result["reference_norm"], rel=1e-5)
         assert result["step"] == (True, pytest.approx(result["global_norm"], rel=1e-12))
@@ -232,7 +232,7 @@ def _bf16_steps(rank: int, world_size: int) -> dict:
 
 def test_bf16_model_trains_with_fp32_main_params_and_no_float16_optimizer_wrapper():
     # megatron-core's Float16OptimizerWithFloat16Params needs main_grad, which Megatron-FSDP's
-    # DTensor main params lack (REFERENCE.md section 7): the factory keeps FP32Optimizer.
+    # DTensor main params lack (0.19.2 crashes there): the factory keeps FP32Optimizer.
     for result in run_on_ranks(_bf16_steps, 2, timeout=300):
         assert result["dtypes"] == ["torch.float32"]
         assert all(torch.isfinite(torch.tensor(result["losses"] + result["norms"])))
