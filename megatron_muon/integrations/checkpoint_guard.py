@@ -49,7 +49,7 @@ def install() -> None:
     megatron_lm.install()
     if _INSTALLED:
         return
-    training = importlib.import_module("megatron.training.training")
+    training: Any = importlib.import_module("megatron.training.training")
     training.get_megatron_optimizer = _with_rank_symmetric_adam_state(
         training.get_megatron_optimizer
     )
