@@ -44,7 +44,7 @@ CASE_IDS = [
     f"{'experts' if p.moe else 'dense'}-{mode}{'-qk-clip' if p.qk_clip_threshold else ''}"
     for p, mode in CASES
 ]
-REFERENCE_CASES = range(len(CASES) - 1)
+PARITY_CASES = range(len(CASES) - 1)
 
 MUON_TOLERANCE = 1e-5  # against the reference fed the same gradients
 ADAMW_TOLERANCE = 1e-6
@@ -80,7 +80,7 @@ def _final(per_rank: list[dict], name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", ["dp2", "dp1"])
-@pytest.mark.parametrize("case", REFERENCE_CASES, ids=CASE_IDS[:-1])
+@pytest.mark.parametrize("case", PARITY_CASES, ids=CASE_IDS[:-1])
 def test_tensor_parallel_muon_matches_unsharded_tensor_parallel_muon(request, world, case):
     parallelism, tp_mode = CASES[case]
     per_rank = request.getfixturevalue(world)["runs"][case]
