@@ -53,11 +53,11 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
     newton_schulz,
 )
 
+from megatron_muon.options import GramHalfDtypeT, MuonScaleT, check_choice
+
 __all__ = [
     "NSConfig",
     "NSMethodT",
-    "MuonScaleT",
-    "GramHalfDtypeT",
     "coefficient_schedule",
     "default_gram_restarts",
     "gram_newton_schulz",
@@ -68,9 +68,7 @@ __all__ = [
     "uses_gram",
 ]
 
-MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 NSMethodT = Literal["standard", "gram"]
-GramHalfDtypeT = Literal["float16", "bfloat16"]
 CoefficientT = tuple[float, float, float]
 
 # The sets that newton_schulz extends by repeating their last triple; all others cycle. This mirrors
@@ -114,8 +112,8 @@ class NSConfig:
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
         if self.num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {self.num_ns_steps}")
-        if self.ns_method not in ("standard", "gram"):
-            raise ValueError(f"ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+        check_choice("scale_mode", self.scale_mode, MuonScaleT)
+        check_choice("ns_method", self.ns_method, NSMethodT)
         # Raises ValueError on an unknown type or a custom type without (valid) triples.
         coefficient_schedule(self.num_ns_steps, self.coefficient_type, self.custom_coefficient_sets)
         if self.coefficient_type != "custom" and self.custom_coefficient_sets is not None:
@@ -125,10 +123,7 @@ class NSConfig:
             )
         if self.gram_restarts is not None:
             _check_restarts(self.gram_restarts, self.num_ns_steps)
-        if self.gram_half_dtype not in ("float16", "bfloat16"):
-            raise ValueError(
-                f"gram_half_dtype must be 'float16' or 'bfloat16', got {self.gram_half_dtype!r}"
-            )
+        check_choice("gram_half_dtype", self.gram_half_dtype, GramHalfDtypeT)
 
     def shape_scale(self, rows: int, cols: int) -> float:
         """Muon's shape-dependent update scale for a ``(rows, cols)`` matrix (without the extra)."""

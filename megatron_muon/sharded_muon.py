@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
+from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange, WorkBlock
 from megatron_muon.layout import (
     RowLayout,
@@ -51,13 +52,8 @@ from megatron_muon.layout import (
     local_tensor,
     mesh_axes,
 )
-from megatron_muon.newton_schulz import (
-    MuonScaleT,
-    NSConfig,
-    NSMethodT,
-    ns_flops,
-    orthogonalize_batch,
-)
+from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
+from megatron_muon.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.split_newton_schulz import (
     split_bounds,
@@ -66,25 +62,7 @@ from megatron_muon.split_newton_schulz import (
     split_scaled_orthogonalize,
 )
 
-__all__ = ["ShardedMuon", "FsdpModeT", "StepStats"]
-
-FsdpModeT = Literal["owner", "gather"]
-_MODES = ("owner", "gather")
-_SCALE_MODES = get_args(MuonScaleT)
-
-
-def _check_hyperparameters(
-    lr: float, momentum: float, weight_decay: float, scale_mode: str
-) -> None:
-    """Refuses, at construction, values that would step uphill or fail only at the first step."""
-    if not lr >= 0.0:  # also NaN
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if scale_mode not in _SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {_SCALE_MODES}, got {scale_mode!r}")
+__all__ = ["ShardedMuon", "StepStats"]
 
 
 @dataclass(slots=True)
@@ -173,10 +151,10 @@ class ShardedMuon(TensorParallelMuon):
         fp32_matmul_prec: str = "medium",
         coefficient_type: str = "quintic",
         num_ns_steps: int = 5,
-        scale_mode: str = "spectral",
+        scale_mode: MuonScaleT = "spectral",
         extra_scale_factor: float = 1.0,
         pg_collection: Any = None,
-        tp_mode: Literal["blockwise", "duplicated", "distributed"] = "duplicated",
+        tp_mode: TpModeT = "duplicated",
         *,
         dp_group: dist.ProcessGroup | None = None,
         mode: FsdpModeT = "owner",
@@ -184,21 +162,37 @@ class ShardedMuon(TensorParallelMuon):
         ns_method: NSMethodT = "standard",
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
         gram_restarts: tuple[int, ...] | None = None,
-        gram_half_dtype: str = "float16",
+        gram_half_dtype: GramHalfDtypeT = "float16",
         offload_momentum: bool = False,
         min_split_flops: int = 10**11,
     ) -> None:
-        _check_hyperparameters(lr, momentum, weight_decay, scale_mode)
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if bucket_size_bytes is not None and bucket_size_bytes <= 0:
-            raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
+        # Refused at construction: values that would step uphill or fail only at the first step.
+        # The Muon and megatron-muon keywords are checked by their configs (config.py).
+        if not lr >= 0.0:  # also NaN
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        MuonConfig(
+            momentum=momentum,
+            split_qkv=split_qkv,
+            nesterov=nesterov,
+            scale_mode=scale_mode,
+            fp32_matmul_prec=fp32_matmul_prec,
+            coefficient_type=coefficient_type,
+            num_ns_steps=num_ns_steps,
+            tp_mode=tp_mode,
+            extra_scale_factor=extra_scale_factor,
+        )
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        MuonFsdpConfig(
+            mode=mode,
+            bucket_size_bytes=bucket_size_bytes,
+            ns_method=ns_method,
+            gram_half_dtype=gram_half_dtype,
+            gram_restarts=gram_restarts,
+            offload_momentum=offload_momentum,
+        )
         if split_qkv and is_qkv_fn is None:
             raise ValueError("split_qkv=True needs is_qkv_fn to tell which params are QKV weights")
-        if tp_mode not in ("blockwise", "duplicated", "distributed"):
-            raise ValueError(
-                f"tp_mode must be blockwise, duplicated or distributed, got {tp_mode!r}"
-            )
         super().__init__(
             params,
             lr=lr,
@@ -220,7 +214,7 @@ class ShardedMuon(TensorParallelMuon):
         self.ns_config = NSConfig(
             num_ns_steps=num_ns_steps,
             coefficient_type=coefficient_type,  # type: ignore[arg-type]
-            scale_mode=scale_mode,  # type: ignore[arg-type]
+            scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             ns_method=ns_method,
             custom_coefficient_sets=(
@@ -229,7 +223,7 @@ class ShardedMuon(TensorParallelMuon):
                 else None
             ),
             gram_restarts=gram_restarts,
-            gram_half_dtype=gram_half_dtype,  # type: ignore[arg-type]
+            gram_half_dtype=gram_half_dtype,
         )
         if (ns_method != "standard" or custom_coefficient_sets is not None) and (
             tp_mode != "blockwise" and _tp_size(pg_collection) > 1
