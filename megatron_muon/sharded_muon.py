@@ -225,7 +225,7 @@ class ShardedMuon(TensorParallelMuon):
             gram_restarts=gram_restarts,
             gram_half_dtype=gram_half_dtype,
         )
-        if (ns_method != "standard" or custom_coefficient_sets is not None) and (
+        if not self.ns_config.is_tensor_parallel_muons and (
             tp_mode != "blockwise" and _tp_size(pg_collection) > 1
         ):
             raise ValueError(
@@ -724,7 +724,7 @@ class ShardedMuon(TensorParallelMuon):
         experts = [i for i, p in enumerate(params) if p.ndim == 3]
         pieces = [self._ns_pieces(params[i], layouts[i]) for i in matrices]
         costs = [sum(self.ns_config.flops(r, c) for r, c in job) for job in pieces]
-        if dp_size > 1 and self._can_split_ns():
+        if dp_size > 1 and self.ns_config.splittable:
             splittable = [
                 None if self._needs_tp_collectives(params[i]) else job
                 for i, job in zip(matrices, pieces, strict=True)
@@ -753,11 +753,6 @@ class ShardedMuon(TensorParallelMuon):
             work=work,
             split_groups=self._split_groups(owner_plan),
         )
-
-    def _can_split_ns(self) -> bool:
-        """Split NS implements the standard iteration with a built-in coefficient set."""
-        config = self.ns_config
-        return config.ns_method == "standard" and config.coefficient_type != "custom"
 
     def _ns_pieces(self, param: torch.Tensor, layout: RowLayout) -> list[tuple[int, int]]:
         """``(rows, cols)`` of a full matrix's NS jobs: Q, K, V under QKV split, else itself."""

@@ -32,12 +32,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
-    NSCoeffT,
-    get_coefficient_iterator,
-)
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
 
-from megatron_muon.newton_schulz import NSConfig
+from megatron_muon.newton_schulz import NSConfig, coefficient_schedule
 
 __all__ = [
     "long_dim",
@@ -139,20 +136,6 @@ def split_ns_bytes(
     return total
 
 
-def _coefficients(
-    coefficient_type: NSCoeffT, num_ns_steps: int
-) -> list[tuple[float, float, float]]:
-    # The same (a, b, c) sequence newton_schulz uses. The sets themselves are private to
-    # emerging_optimizers (no public accessor); the iteration mode follows its rule.
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
-
-    if coefficient_type not in _COEFFICIENT_SETS:
-        raise ValueError(f"unsupported coefficient_type {coefficient_type!r} for split NS")
-    repeat_last = coefficient_type in ("polar_express", "cans", "deepseekv4")
-    mode = "repeat_last" if repeat_last else "cycle"
-    return list(get_coefficient_iterator(num_ns_steps, _COEFFICIENT_SETS[coefficient_type], mode))
-
-
 def split_newton_schulz(
     block: torch.Tensor,
     full_shape: tuple[int, int],
@@ -209,7 +192,7 @@ def split_newton_schulz(
     k_start, k_stop = k_bounds[rank]
     pad_rows = max(b - a for a, b in k_bounds)
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
-    for a, b, c in _coefficients(coefficient_type, num_ns_steps):
+    for a, b, c in coefficient_schedule(num_ns_steps, coefficient_type):
         gram = x @ x.mT
         dist.all_reduce(gram, group=group)
         own = gram[..., k_start:k_stop, :]
