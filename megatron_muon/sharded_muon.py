@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.cost_model import split_bounds, split_dim_of_pieces, split_ns_flops
 from megatron_muon.exchange import ExchangeStats, GatherExchange, OwnerExchange, WorkBlock
 from megatron_muon.layout import (
     RowLayout,
@@ -55,12 +56,7 @@ from megatron_muon.layout import (
 from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops, orthogonalize_batch
 from megatron_muon.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
-from megatron_muon.split_newton_schulz import (
-    split_bounds,
-    split_dim_of_pieces,
-    split_ns_flops,
-    split_scaled_orthogonalize,
-)
+from megatron_muon.split_newton_schulz import split_scaled_orthogonalize
 
 __all__ = ["ShardedMuon", "StepStats"]
 

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_muon.cost_model import split_bounds, split_dim_of_pieces, split_ns_bytes
 from megatron_muon.newton_schulz import ns_flops
 from megatron_muon.plan.models import Matrix
 from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
-from megatron_muon.split_newton_schulz import split_bounds, split_dim_of_pieces, split_ns_bytes
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
 
