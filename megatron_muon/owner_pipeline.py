@@ -68,6 +68,20 @@ class BucketRuntime:
         self.split_groups = create_split_groups(plan, group) if num_ranks > 1 else {}
         self._exchanges: dict[tuple[int, ...], OwnerExchange | GatherExchange] = {}
 
+    def params_with_grad_anywhere(
+        self, params: Sequence[torch.Tensor], stats: StepStats
+    ) -> list[bool]:
+        """Which of ``params`` have a grad on some rank of ``group`` (one small all_reduce).
+
+        A rank holding zero rows has ``grad is None`` yet must take part; a param with no grad on
+        any rank is skipped everywhere, as ``TensorParallelMuon`` skips it.
+        """
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        if self.num_ranks > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            stats.num_collectives += 1
+        return [bool(f) for f in flags.tolist()]
+
     def run(
         self,
         active: Sequence[bool],

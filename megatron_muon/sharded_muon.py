@@ -7,26 +7,17 @@ rows; only Newton-Schulz (NS) needs the full matrix. One step is:
 
 1. every rank walks every param in the same order (a rank with no rows holds a zero grad), applies
    weight decay and the momentum update to its own rows;
-2. the full matrices are brought together for NS over ``dp_group`` (``owner_pipeline``), by the
-   static plan built once from the params' shapes and row layouts (``step_plan``):
-   - ``mode="owner"`` (default): each matrix has one owner rank (largest NS cost first onto the
-     least-loaded rank; ``planner``); one packed all_to_all per bucket brings the shards to owners,
-     owners orthogonalize (same-shape matrices batched into one NS call; ``ns_runner``), one packed
-     all_to_all returns each holder its rows. NS work per rank ~ total / DP.
-   - ``mode="gather"`` (reference): padded all_gather, NS of every matrix on every rank.
-   3-D expert tensors ``(E, out, in)`` are sharded by whole experts, so each rank orthogonalizes
-   its own experts (batched) with no communication;
+2. the 2-D matrices go through NS by the static plan (``step_plan``, built once from shapes and
+   row layouts) run by the owner pipeline (``owner_pipeline``): ``mode="owner"`` (default) brings
+   each matrix to its owner rank(s) with one packed all_to_all per bucket and returns each holder
+   its rows; ``mode="gather"`` (a reference) all_gathers and orthogonalizes every matrix on every
+   rank. 3-D expert tensors ``(E, out, in)`` are sharded by whole experts: each rank
+   orthogonalizes its own experts with no communication (``ns_runner``);
 3. each rank updates its own rows in place (placements and global shape untouched).
 
 Orthogonalization semantics are megatron-core ``TensorParallelMuon``'s (scale modes, coefficient
-types, NS steps, QKV split, tp_mode blockwise/duplicated/distributed). With tensor parallelism
-Megatron-FSDP's param is a DTensor on a ``(dp_cp, tp)`` mesh (``layout.py``): the exchange runs
-over ``dp_group``, the data-parallel ranks of one TP rank, on the TP-local matrix; under
-duplicated/distributed the DP-full TP-local matrix then goes through
-``TensorParallelMuon.orthogonalize`` itself, so its TP collectives run over ``pg_collection.tp``
-(``expt_tp`` for experts) among the TP ranks that own the same matrix (the plan depends on shapes
-only, which are the same on every TP rank; ``tensor_parallel``); under blockwise each TP rank
-orthogonalizes its own block.
+types, NS steps, QKV split (``qkv``), tp_mode blockwise/duplicated/distributed; how tensor
+parallelism meets the row shards: ``tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ from torch.optim.optimizer import ParamsT
 from megatron_muon.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.layout import check_same_params, gather_row_layouts, local_tensor
 from megatron_muon.momentum_offload import MomentumOffload
-from megatron_muon.newton_schulz import NSConfig, NSMethodT, ns_flops
+from megatron_muon.newton_schulz import NSCoeffT, NSConfig, NSMethodT, ns_flops
 from megatron_muon.ns_runner import NSRunner, StepStats
 from megatron_muon.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
 from megatron_muon.owner_pipeline import BucketRuntime
@@ -52,10 +43,10 @@ from megatron_muon.planner import OwnerPlan
 from megatron_muon.qkv import qkv_split_shapes
 from megatron_muon.step_plan import NSMatrix, StepPlan, plan_step
 from megatron_muon.tensor_parallel import (
+    check_ns_method,
     check_param_meshes,
     needs_tp_collectives,
     tp_group,
-    tp_size,
 )
 
 __all__ = ["ShardedMuon", "StepStats"]
@@ -70,6 +61,42 @@ class _Plan:
     step_plan: StepPlan
     experts: list[int]
     runtime: BucketRuntime
+
+    @staticmethod
+    def build(muon: ShardedMuon, params: list[torch.Tensor]) -> _Plan:
+        """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
+
+        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
+        """
+        # Without torch.distributed (one process) every param is whole: DP size 1.
+        num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
+        check_same_params(params, muon.dp_group)
+        layouts = gather_row_layouts(params, muon.dp_group)
+        matrices = [
+            NSMatrix(
+                param=i,
+                layout=layouts[i],
+                qkv_split_shapes=qkv_split_shapes(
+                    param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
+                ),
+                tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
+            )
+            for i, param in enumerate(params)
+            if param.ndim == 2
+        ]
+        step_plan = plan_step(
+            matrices,
+            num_ranks,
+            muon.ns_config,
+            bucket_size_bytes=muon.bucket_size_bytes,
+            min_split_flops=muon.min_split_flops,
+        )
+        return _Plan(
+            params=params,
+            step_plan=step_plan,
+            experts=[i for i, p in enumerate(params) if p.ndim == 3],
+            runtime=BucketRuntime(step_plan, muon.mode, muon.dp_group, num_ranks),
+        )
 
 
 class ShardedMuon(TensorParallelMuon):
@@ -124,7 +151,7 @@ class ShardedMuon(TensorParallelMuon):
         is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
         qkv_split_shapes: list[int] | None = None,
         fp32_matmul_prec: str = "medium",
-        coefficient_type: str = "quintic",
+        coefficient_type: NSCoeffT = "quintic",
         num_ns_steps: int = 5,
         scale_mode: MuonScaleT = "spectral",
         extra_scale_factor: float = 1.0,
@@ -188,26 +215,17 @@ class ShardedMuon(TensorParallelMuon):
         )
         self.ns_config = NSConfig(
             num_ns_steps=num_ns_steps,
-            coefficient_type=coefficient_type,  # type: ignore[arg-type]
+            coefficient_type=coefficient_type,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             ns_method=ns_method,
             custom_coefficient_sets=(
-                tuple(tuple(c) for c in custom_coefficient_sets)  # type: ignore[misc]
-                if custom_coefficient_sets is not None
-                else None
+                tuple(custom_coefficient_sets) if custom_coefficient_sets is not None else None
             ),
             gram_restarts=gram_restarts,
             gram_half_dtype=gram_half_dtype,
         )
-        if not self.ns_config.is_tensor_parallel_muons and (
-            tp_mode != "blockwise" and tp_size(pg_collection) > 1
-        ):
-            raise ValueError(
-                f"ns_method={ns_method!r} / custom coefficients run in megatron_muon's own NS; "
-                f"tp_mode={tp_mode!r} with tensor parallelism runs TensorParallelMuon's standard "
-                "NS across TP ranks. Use tp_mode='blockwise' or the standard method."
-            )
+        check_ns_method(self.ns_config, tp_mode, pg_collection)
         self.dp_group = dp_group
         self.mode: FsdpModeT = mode
         self.bucket_size_bytes = bucket_size_bytes
@@ -236,22 +254,11 @@ class ShardedMuon(TensorParallelMuon):
         first = sum(len(g["params"]) for g in self.param_groups[:-1])
         names = group.get("param_names") or [None] * len(group["params"])
         for index, (param, name) in enumerate(zip(group["params"], names, strict=True)):
-            label = f"param {first + index}" + (f" ({name})" if name else "")
-            problem = None
-            if param.is_complex():
-                problem = f"has complex dtype {param.dtype}; Newton-Schulz needs a real matrix"
-            elif param.ndim not in (2, 3):
-                problem = (
-                    f"has shape {tuple(param.shape)} ({param.ndim}-D); ShardedMuon "
-                    "orthogonalizes matrices: route it to the scalar optimizer"
-                )
+            problem = _param_problem(param)
             if problem is not None:
                 self.param_groups.pop()
+                label = f"param {first + index}" + (f" ({name})" if name else "")
                 raise ValueError(f"ShardedMuon: {label} {problem}")
-
-    # ----------------------------------------------------------------------------------------------
-    # step: local momentum -> NS on full matrices -> local update
-    # ----------------------------------------------------------------------------------------------
 
     @torch.no_grad()  # type: ignore[misc]
     def step(self, closure: Callable[[], float] | None = None) -> None:
@@ -265,7 +272,7 @@ class ShardedMuon(TensorParallelMuon):
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
         groups = [g for g in self.param_groups for _ in g["params"]]
-        active = self._params_with_grad_anywhere(plan)
+        active = plan.runtime.params_with_grad_anywhere(plan.params, self.step_stats)
         self._offload.bring_back()
         inputs = {
             i: self._momentum_update(param, groups[i])
@@ -318,18 +325,6 @@ class ShardedMuon(TensorParallelMuon):
         local.add_(update, alpha=-group["lr"])
         self.post_weight_update_fn_inplace(local)
 
-    def _params_with_grad_anywhere(self, plan: _Plan) -> list[bool]:
-        """Which params have a grad on some rank of ``dp_group`` (one small all_reduce).
-
-        A rank holding zero rows has ``grad is None`` yet must take part; a param with no grad on
-        any rank is skipped everywhere, as ``TensorParallelMuon`` skips it.
-        """
-        flags = torch.tensor([p.grad is not None for p in plan.params], dtype=torch.int32)
-        if plan.runtime.num_ranks > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
-            self.step_stats.num_collectives += 1
-        return [bool(f) for f in flags.tolist()]
-
     def _tp_orthogonalize(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """``TensorParallelMuon.orthogonalize`` of a DP-full, TP-partitioned matrix (TP
         collectives over its TP group); counts the FLOPs each TP rank runs."""
@@ -338,10 +333,6 @@ class ShardedMuon(TensorParallelMuon):
         flops = ns_flops(full.shape[0], full.shape[1], self.ns_config.num_ns_steps)
         self.step_stats.ns_flops += flops * (copies if self.tp_mode == "duplicated" else 1)
         return result
-
-    # ----------------------------------------------------------------------------------------------
-    # momentum offload and state
-    # ----------------------------------------------------------------------------------------------
 
     def bring_momentum_back(self) -> None:
         """Makes offloaded momentum resident again (before anything reads or writes ``state``
@@ -359,10 +350,6 @@ class ShardedMuon(TensorParallelMuon):
         self._offload.forget()
         super().load_state_dict(state_dict)
 
-    # ----------------------------------------------------------------------------------------------
-    # the static plan
-    # ----------------------------------------------------------------------------------------------
-
     def owner_plan(self) -> OwnerPlan:
         """The owner of each 2-D matrix (in param order); builds the plan if needed (collective)."""
         return self._step_plan().step_plan.owner_plan
@@ -379,40 +366,17 @@ class ShardedMuon(TensorParallelMuon):
             or len(plan.params) != len(params)
             or not all(a is b for a, b in zip(plan.params, params, strict=True))
         ):
-            plan = self._plan = self._build_plan(params)
+            plan = self._plan = _Plan.build(self, params)
         return plan
 
-    def _build_plan(self, params: list[torch.Tensor]) -> _Plan:
-        """Layouts (one all_gather), the static plan, and split-NS groups.
 
-        Collective over ``dp_group`` (and, for split matrices, over each split block's ranks).
-        """
-        # Without torch.distributed (one process) every param is whole: DP size 1.
-        num_ranks = dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
-        check_same_params(params, self.dp_group)
-        layouts = gather_row_layouts(params, self.dp_group)
-        matrices = [
-            NSMatrix(
-                param=i,
-                layout=layouts[i],
-                qkv_split_shapes=qkv_split_shapes(
-                    param, self.split_qkv, self.is_qkv_fn, self.qkv_split_shapes
-                ),
-                tp_collectives=needs_tp_collectives(param, self.tp_mode, self.pg_collection),
-            )
-            for i, param in enumerate(params)
-            if param.ndim == 2
-        ]
-        step_plan = plan_step(
-            matrices,
-            num_ranks,
-            self.ns_config,
-            bucket_size_bytes=self.bucket_size_bytes,
-            min_split_flops=self.min_split_flops,
+def _param_problem(param: torch.Tensor) -> str | None:
+    """Why ``ShardedMuon`` cannot orthogonalize ``param`` (``None``: it can)."""
+    if param.is_complex():
+        return f"has complex dtype {param.dtype}; Newton-Schulz needs a real matrix"
+    if param.ndim not in (2, 3):
+        return (
+            f"has shape {tuple(param.shape)} ({param.ndim}-D); ShardedMuon "
+            "orthogonalizes matrices: route it to the scalar optimizer"
         )
-        return _Plan(
-            params=params,
-            step_plan=step_plan,
-            experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(step_plan, self.mode, self.dp_group, num_ranks),
-        )
+    return None

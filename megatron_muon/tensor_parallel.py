@@ -10,7 +10,8 @@ collectives over ``pg_collection.tp`` (``pg_collection.expt_tp`` for experts,
 
 - ``tp_group``, ``needs_tp_collectives``: the TP group of a param, and whether its NS uses it.
 - ``check_param_meshes``: metadata checks, at construction, that each DTensor param's mesh agrees
-  with the groups the optimizer will run collectives over.
+  with the groups the optimizer will run collectives over; ``check_ns_method``: that the NS
+  method can run under the tp_mode.
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.layout import TensorParallelSplit, group_ranks, mesh_axes
+from megatron_muon.newton_schulz import NSConfig
 from megatron_muon.options import TpModeT
 
-__all__ = ["check_param_meshes", "needs_tp_collectives", "tp_group", "tp_size"]
+__all__ = [
+    "check_ns_method",
+    "check_param_meshes",
+    "needs_tp_collectives",
+    "tp_group",
+    "tp_size",
+]
 
 
 def tp_size(pg_collection: Any) -> int:
@@ -51,6 +59,22 @@ def needs_tp_collectives(param: torch.Tensor, tp_mode: TpModeT, pg_collection: A
         return False
     group = tp_group(param, pg_collection)
     return group is not None and dist.get_world_size(group) > 1
+
+
+def check_ns_method(config: NSConfig, tp_mode: TpModeT, pg_collection: Any) -> None:
+    """Under tensor parallelism with tp_mode duplicated/distributed, NS runs through
+    ``TensorParallelMuon.orthogonalize`` across TP ranks, i.e. its own standard NS.
+
+    Raises:
+        ValueError: ``config`` asks for another method or custom coefficients there.
+    """
+    if config.is_tensor_parallel_muons or tp_mode == "blockwise" or tp_size(pg_collection) == 1:
+        return
+    raise ValueError(
+        f"ns_method={config.ns_method!r} / custom coefficients run in megatron_muon's own NS; "
+        f"tp_mode={tp_mode!r} with tensor parallelism runs TensorParallelMuon's standard "
+        "NS across TP ranks. Use tp_mode='blockwise' or the standard method."
+    )
 
 
 def check_param_meshes(
