@@ -111,7 +111,7 @@ class ShardedMuon(TensorParallelMuon):
             ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
         bucket_size_bytes: bound on the fp32 bytes of full matrices exchanged at once (peak extra
             memory); ``None`` exchanges all matrices in one bucket.
-        ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``):
+        ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``), e.g.
             ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz).
         custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
         gram_restarts, gram_half_dtype: Gram NS restarts and its half dtype under ``"medium"``
