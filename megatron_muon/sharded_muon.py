@@ -260,7 +260,7 @@ class ShardedMuon(TensorParallelMuon):
                 label = f"param {first + index}" + (f" ({name})" if name else "")
                 raise ValueError(f"ShardedMuon: {label} {problem}")
 
-    @torch.no_grad()  # type: ignore[misc]
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
         """One Muon step. Collective over ``dp_group``: every rank must call it."""
         if closure is not None:
