@@ -23,7 +23,7 @@ __all__ = [
     "size_scaling",
 ]
 
-# Megatron-LM's effective Muon defaults (REFERENCE.md section 4): bf16 NS matmuls ("medium").
+# Megatron-LM's effective Muon defaults (its --muon-* flags' defaults): bf16 NS matmuls ("medium").
 MUON_KWARGS = dict(
     lr=3e-4,
     momentum=0.95,

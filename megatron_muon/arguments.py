@@ -21,13 +21,14 @@ megatron-muon's flags (each maps to one keyword of ``megatron_muon.ShardedMuon``
 - ``--muon-gram-restarts N [N ...]`` (default restarts): Gram NS restart iterations.
 - ``--muon-offload-momentum``: keep Muon momentum in CPU memory between steps.
 
-``sharded_muon_kwargs(args)`` turns parsed args into those keywords, and ``check_muon_args(args)``
-checks the values of these flags and of Megatron's ``--muon-*`` flags where a Muon run reads them
-(``megatron_muon.integrations.megatron_lm`` calls it from ``validate_args``), with errors that name
-the flag.
+Choices and defaults come from the options' ``Literal`` aliases and ``MuonFsdpConfig``'s defaults;
+``MuonFsdpConfig.from_args(args)`` turns parsed args into those keywords, and
+``check_muon_args(args)`` checks the values of these flags and of Megatron's ``--muon-*`` flags
+where a Muon run reads them (``megatron_muon.integrations.megatron_lm`` calls it from
+``validate_args``) with the configs' own rules, with errors that name the flag.
 
 QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, read with
-``qk_clip_threshold(args)``:
+``megatron_muon.config.qk_clip_threshold(args)``:
 
 - on a parser of our own, ``--qk-clip-threshold TAU`` (default None = off) is added here;
 - on Megatron-LM's parser, which already has ``--qk-clip`` (switch), ``--qk-clip-threshold``
@@ -42,22 +43,22 @@ QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, rea
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
-__all__ = [
-    "add_muon_args",
-    "check_muon_args",
-    "sharded_muon_kwargs",
-    "qk_clip_threshold",
-    "FSDP_MODES",
-    "NS_METHODS",
-    "GRAM_HALF_DTYPES",
-]
+from megatron_muon.config import MuonConfig, MuonFsdpConfig, qk_clip_threshold
+from megatron_muon.newton_schulz import NSConfig, NSMethodT
+from megatron_muon.options import (
+    FsdpModeT,
+    GramHalfDtypeT,
+    MuonScaleT,
+    ScalarOptimizerT,
+    TpModeT,
+)
 
-FSDP_MODES = ("owner", "gather")
-NS_METHODS = ("standard", "gram")
-GRAM_HALF_DTYPES = ("float16", "bfloat16")
+__all__ = ["add_muon_args", "check_muon_args"]
+
 _GROUP_TITLE = "megatron-muon"
+_DEFAULTS = MuonFsdpConfig()
 
 
 def _has_option(parser: argparse.ArgumentParser, option: str) -> bool:
@@ -70,8 +71,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_megatron_muon_flags(parser, group)
     group.add_argument(
         "--muon-fsdp-mode",
-        choices=FSDP_MODES,
-        default="owner",
+        choices=get_args(FsdpModeT),
+        default=_DEFAULTS.mode,
         help="Where Newton-Schulz runs on Megatron-FSDP shards: 'owner' orthogonalizes each full "
         "matrix once, on one owner rank (NS work ~ 1/DP per rank); 'gather' on every rank.",
     )
@@ -84,14 +85,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--muon-ns-method",
-        choices=NS_METHODS,
-        default="standard",
+        choices=get_args(NSMethodT),
+        default=_DEFAULTS.ns_method,
         help="Newton-Schulz iteration: 'standard' or 'gram' (Gram Newton-Schulz).",
     )
     group.add_argument(
         "--muon-gram-half-dtype",
-        choices=GRAM_HALF_DTYPES,
-        default="float16",
+        choices=get_args(GramHalfDtypeT),
+        default=_DEFAULTS.gram_half_dtype,
         help="Gram Newton-Schulz matmul dtype under --muon-fp32-matmul-prec medium (fp32 under "
         "high/highest). bfloat16 where fp16 matmuls are slow (CPUs).",
     )
@@ -99,7 +100,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-gram-restarts",
         type=int,
         nargs="+",
-        default=None,
+        default=_DEFAULTS.gram_restarts,
         help="Gram Newton-Schulz: iterations after which X and X X^T are rebuilt (each in "
         "[1, --muon-num-ns-steps), increasing); default: the method's own for the dtype.",
     )
@@ -131,9 +132,7 @@ def _add_megatron_muon_flags(
         ("--muon-nesterov", dict(action="store_true", default=False)),
         (
             "--muon-scale-mode",
-            dict(
-                type=str, default="spectral", choices=["spectral", "unit_rms_norm", "shape_scaling"]
-            ),
+            dict(type=str, default="spectral", choices=get_args(MuonScaleT)),
         ),
         (
             "--muon-fp32-matmul-prec",
@@ -143,47 +142,17 @@ def _add_megatron_muon_flags(
         ("--muon-num-ns-steps", dict(type=int, default=5)),
         (
             "--muon-tp-mode",
-            dict(type=str, default="blockwise", choices=["blockwise", "duplicated", "distributed"]),
+            dict(type=str, default="blockwise", choices=get_args(TpModeT)),
         ),
         ("--muon-extra-scale-factor", dict(type=float, default=1.0)),
-        ("--muon-scalar-optimizer", dict(type=str, default="adam", choices=["adam", "lion"])),
+        (
+            "--muon-scalar-optimizer",
+            dict(type=str, default="adam", choices=get_args(ScalarOptimizerT)),
+        ),
     ]
     for option, kwargs in flags:
         if not _has_option(parser, option):
             group.add_argument(option, **kwargs)
-
-
-def sharded_muon_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``ShardedMuon`` keywords that megatron-muon's flags set (defaults where absent)."""
-    bucket_mb = getattr(args, "muon_fsdp_bucket_size_mb", None)
-    bucket_bytes = None if bucket_mb is None else int(bucket_mb * 2**20)
-    if bucket_bytes is not None and bucket_bytes < 1:
-        raise ValueError(
-            f"--muon-fsdp-bucket-size-mb must be positive (at least one byte), got {bucket_mb}"
-        )
-    return {
-        "mode": getattr(args, "muon_fsdp_mode", "owner"),
-        "bucket_size_bytes": bucket_bytes,
-        "ns_method": getattr(args, "muon_ns_method", "standard"),
-        "gram_half_dtype": getattr(args, "muon_gram_half_dtype", "float16"),
-        "gram_restarts": getattr(args, "muon_gram_restarts", None),
-        "offload_momentum": bool(getattr(args, "muon_offload_momentum", False)),
-    }
-
-
-def qk_clip_threshold(args: argparse.Namespace) -> float | None:
-    """QK-clip's threshold from parsed args, or None when QK-clip is off (module docstring).
-
-    Megatron-LM's arguments (they have ``qk_clip``): ``args.qk_clip_threshold`` if ``--qk-clip``
-    was given, else None. Ours: ``--qk-clip-threshold`` as given (None = off).
-    """
-    threshold = getattr(args, "qk_clip_threshold", None)
-    # muon_qk_clip: --qk-clip taken over from Megatron by megatron_muon.integrations.megatron_lm.
-    if hasattr(args, "qk_clip") and not (args.qk_clip or getattr(args, "muon_qk_clip", False)):
-        return None
-    if threshold is not None and not threshold > 0:
-        raise ValueError(f"--qk-clip-threshold must be positive, got {threshold}")
-    return threshold
 
 
 def check_muon_args(args: argparse.Namespace) -> None:
@@ -196,14 +165,11 @@ def check_muon_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: the first flag whose value is refused.
     """
-    from megatron_muon.config import MuonConfig, MuonFsdpConfig
-    from megatron_muon.newton_schulz import NSConfig
-
     steps = getattr(args, "muon_num_ns_steps", 5)
     method = getattr(args, "muon_ns_method", "standard")
     half = getattr(args, "muon_gram_half_dtype", "float16")
+    # The NS flags first: MuonConfig checks its NS fields too, and would name --muon-momentum.
     checks = [
-        ("--muon-momentum", "muon_momentum", lambda v: MuonConfig(momentum=v)),
         ("--muon-num-ns-steps", "muon_num_ns_steps", lambda v: NSConfig(num_ns_steps=v)),
         (
             "--muon-coefficient-type",
@@ -217,12 +183,12 @@ def check_muon_args(args: argparse.Namespace) -> None:
                 num_ns_steps=steps, ns_method=method, gram_restarts=v, gram_half_dtype=half
             ),
         ),
+        ("--muon-momentum", "muon_momentum", lambda v: MuonConfig.from_optimizer_config(args)),
         (
-            "--muon-fsdp-bucket-size-mb",
-            "muon_fsdp_bucket_size_mb",
-            lambda v: sharded_muon_kwargs(args),
+            "--qk-clip-threshold",
+            "qk_clip_threshold",
+            lambda v: MuonFsdpConfig(qk_clip_threshold=qk_clip_threshold(args)),
         ),
-        ("--qk-clip-threshold", "qk_clip_threshold", lambda v: qk_clip_threshold(args)),
     ]
     for flag, name, build in checks:
         if not hasattr(args, name):
@@ -231,7 +197,5 @@ def check_muon_args(args: argparse.Namespace) -> None:
         try:
             build(value)
         except ValueError as error:
-            reason = str(error)
-            message = reason if reason.startswith(flag) else f"{flag} {value}: {reason}"
-            raise ValueError(message) from None
-    MuonFsdpConfig.from_args(args)  # everything above, together
+            raise ValueError(f"{flag} {value}: {error}") from None
+    MuonFsdpConfig.from_args(args)  # the megatron-muon flags, together; names the bucket flag

@@ -1,36 +1,50 @@
 """Configuration of Muon on Megatron-FSDP: Megatron's own ``muon_*`` flags, plus ours.
 
-Two frozen dataclasses, one per concern:
+Two frozen dataclasses, one per concern, each the single validator of its fields:
 
 - ``MuonConfig``: the Muon hyper-parameters exactly as megatron-core's ``OptimizerConfig`` names
   them (field ``x`` <-> ``OptimizerConfig.muon_x`` <-> ``--muon-x``), read with
-  ``MuonConfig.from_optimizer_config(config)``. Their meaning is ``TensorParallelMuon``'s
-  (REFERENCE.md section 4).
+  ``MuonConfig.from_optimizer_config(config)``. Their meaning is that of megatron-core
+  ``TensorParallelMuon``'s constructor arguments of the same names (which ``ShardedMuon`` takes).
 - ``MuonFsdpConfig``: what only megatron-muon has (where Newton-Schulz runs on Megatron-FSDP's row
   shards, exchange bucketing, NS method, momentum offload), one field per ``ShardedMuon`` keyword
   and per ``megatron_muon.arguments`` flag (``--muon-fsdp-mode`` ...), plus QK-clip's threshold
-  (``--qk-clip-threshold``; the factory builds a ``QKClip`` that the step wrapper runs).
+  (``--qk-clip-threshold``; the factory builds a ``QKClip`` that the step wrapper runs), read from
+  parsed flags with ``MuonFsdpConfig.from_args(args)``.
 
-Learning rate, weight decay, Adam/Lion betas, clipping and precision stay in ``OptimizerConfig``.
+The Newton-Schulz fields of both (steps, scale mode, NS method, Gram settings) are checked by
+``newton_schulz.NSConfig``; the allowed values of every string option are the ``Literal`` aliases
+of ``megatron_muon.options`` (and the NS-method registry). ``ShardedMuon`` builds all three from its
+keywords, so a bad value is refused by the same code whichever way it comes in. Learning rate,
+weight decay, Adam/Lion betas, clipping and precision stay in ``OptimizerConfig``.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
-__all__ = ["MuonConfig", "MuonFsdpConfig", "TpModeT", "ScalarOptimizerT", "GramHalfDtypeT"]
+from megatron_muon.newton_schulz import NSConfig, NSMethodT
+from megatron_muon.options import (
+    FsdpModeT,
+    GramHalfDtypeT,
+    MuonScaleT,
+    ScalarOptimizerT,
+    TpModeT,
+    check_choice,
+)
 
-TpModeT = Literal["blockwise", "duplicated", "distributed"]
-ScalarOptimizerT = Literal["adam", "lion"]
-FsdpModeT = Literal["owner", "gather"]
-NSMethodT = Literal["standard", "gram"]
-GramHalfDtypeT = Literal["float16", "bfloat16"]
+__all__ = ["MuonConfig", "MuonFsdpConfig", "qk_clip_threshold"]
 
-_TP_MODES = ("blockwise", "duplicated", "distributed")
-_SCALAR_OPTIMIZERS = ("adam", "lion")
-_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+# ``MuonFsdpConfig`` field <- the ``megatron_muon.arguments`` flag's attribute on parsed args.
+_FLAG_ATTRIBUTES = {
+    "mode": "muon_fsdp_mode",
+    "ns_method": "muon_ns_method",
+    "gram_half_dtype": "muon_gram_half_dtype",
+    "gram_restarts": "muon_gram_restarts",
+    "offload_momentum": "muon_offload_momentum",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,7 +58,7 @@ class MuonConfig:
     momentum: float = 0.95
     split_qkv: bool = True
     nesterov: bool = False
-    scale_mode: str = "spectral"
+    scale_mode: MuonScaleT = "spectral"
     fp32_matmul_prec: str = "medium"
     coefficient_type: str = "quintic"
     num_ns_steps: int = 5
@@ -54,25 +68,26 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"muon_momentum must be in [0, 1), got {self.momentum}")
-        if self.num_ns_steps < 1:
-            raise ValueError(f"muon_num_ns_steps must be at least 1, got {self.num_ns_steps}")
-        if self.tp_mode not in _TP_MODES:
-            raise ValueError(f"muon_tp_mode must be one of {_TP_MODES}, got {self.tp_mode!r}")
-        if self.scale_mode not in _SCALE_MODES:
-            raise ValueError(
-                f"muon_scale_mode must be one of {_SCALE_MODES}, got {self.scale_mode!r}"
-            )
-        if self.scalar_optimizer not in _SCALAR_OPTIMIZERS:
-            raise ValueError(
-                f"muon_scalar_optimizer must be one of {_SCALAR_OPTIMIZERS}, "
-                f"got {self.scalar_optimizer!r}"
-            )
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        # coefficient_type is left to ShardedMuon's NSConfig: "custom" needs the triples, which
+        # Megatron's flags do not carry.
+        NSConfig(num_ns_steps=self.num_ns_steps, scale_mode=self.scale_mode)
+        check_choice("tp_mode", self.tp_mode, TpModeT)
+        check_choice("scalar_optimizer", self.scalar_optimizer, ScalarOptimizerT)
 
     @classmethod
     def from_optimizer_config(cls, config: Any) -> MuonConfig:
-        """Reads ``config.muon_<field>`` for every field (megatron-core ``OptimizerConfig``)."""
-        return cls(**{f.name: getattr(config, f"muon_{f.name}") for f in fields(cls)})
+        """Reads ``config.muon_<field>`` for every field (megatron-core ``OptimizerConfig``, or
+        Megatron's parsed args, which carry the same names).
+
+        Raises:
+            ValueError: naming the ``muon_`` field read (``muon_momentum must be in [0, 1) ...``).
+        """
+        values = {f.name: getattr(config, f"muon_{f.name}") for f in fields(cls)}
+        try:
+            return cls(**values)
+        except ValueError as error:  # every message starts with the field's name
+            raise ValueError(f"muon_{error}") from None
 
     def tensor_parallel_muon_kwargs(self) -> dict[str, Any]:
         """The ``TensorParallelMuon`` / ``ShardedMuon`` keywords these flags set.
@@ -121,16 +136,11 @@ class MuonFsdpConfig:
     qk_clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("owner", "gather"):
-            raise ValueError(f"fsdp mode must be 'owner' or 'gather', got {self.mode!r}")
+        check_choice("mode", self.mode, FsdpModeT)
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes}")
-        if self.ns_method not in ("standard", "gram"):
-            raise ValueError(f"ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
-        if self.gram_half_dtype not in ("float16", "bfloat16"):
-            raise ValueError(
-                f"gram_half_dtype must be 'float16' or 'bfloat16', got {self.gram_half_dtype!r}"
-            )
+        # Gram restarts are checked where the number of NS steps is known (ShardedMuon's NSConfig).
+        NSConfig(ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype)
         if self.gram_restarts is not None:
             # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
@@ -141,10 +151,27 @@ class MuonFsdpConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MuonFsdpConfig:
-        """From parsed ``megatron_muon.arguments`` flags (defaults where a flag is absent)."""
-        from megatron_muon.arguments import qk_clip_threshold, sharded_muon_kwargs
+        """From parsed ``megatron_muon.arguments`` flags (the field's default where a flag is
+        absent).
 
-        return cls(**sharded_muon_kwargs(args), qk_clip_threshold=qk_clip_threshold(args))
+        Raises:
+            ValueError: a bad value; ``--muon-fsdp-bucket-size-mb`` named where it rounds to less
+                than one byte.
+        """
+        values = {
+            field: getattr(args, attribute)
+            for field, attribute in _FLAG_ATTRIBUTES.items()
+            if hasattr(args, attribute)
+        }
+        bucket_mb = getattr(args, "muon_fsdp_bucket_size_mb", None)
+        if bucket_mb is not None:
+            values["bucket_size_bytes"] = int(bucket_mb * 2**20)
+            if values["bucket_size_bytes"] < 1:
+                raise ValueError(
+                    "--muon-fsdp-bucket-size-mb must be positive (at least one byte), "
+                    f"got {bucket_mb}"
+                )
+        return cls(**values, qk_clip_threshold=qk_clip_threshold(args))
 
     def sharded_muon_kwargs(self) -> dict[str, Any]:
         """The ``ShardedMuon`` keyword-only arguments these settings set."""
@@ -156,3 +183,17 @@ class MuonFsdpConfig:
             "gram_restarts": self.gram_restarts,
             "offload_momentum": self.offload_momentum,
         }
+
+
+def qk_clip_threshold(args: argparse.Namespace) -> float | None:
+    """QK-clip's threshold from parsed args, or None when QK-clip is off.
+
+    Megatron-LM's arguments (they have ``--qk-clip``, a switch, and ``--qk-clip-threshold``,
+    default 100): ``args.qk_clip_threshold`` if ``--qk-clip`` was given (or taken over by
+    ``megatron_muon.integrations.megatron_lm`` as ``args.muon_qk_clip``), else None. Ours
+    (``megatron_muon.arguments``): ``--qk-clip-threshold`` as given (None = off). The value is
+    checked by ``MuonFsdpConfig``.
+    """
+    if hasattr(args, "qk_clip") and not (args.qk_clip or getattr(args, "muon_qk_clip", False)):
+        return None
+    return getattr(args, "qk_clip_threshold", None)

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.layout import RowLayout, all_gather_single
+from megatron_muon.step_plan import WorkBlock
 
 __all__ = [
     "ExchangeStats",
     "GatherExchange",
     "OwnerExchange",
     "PendingExchange",
-    "WorkBlock",
     "source_rank",
 ]
 
@@ -42,11 +42,6 @@ class ExchangeStats:
     bytes_received: int = 0
     num_collectives: int = 0
 
-    def add(self, other: ExchangeStats) -> None:
-        self.bytes_sent += other.bytes_sent
-        self.bytes_received += other.bytes_received
-        self.num_collectives += other.num_collectives
-
 
 def source_rank(holders: Sequence[int], owner: int, matrix_index: int) -> int:
     """Which holder of a row interval sends it to a worker: the worker itself if it holds it
@@ -54,26 +49,6 @@ def source_rank(holders: Sequence[int], owner: int, matrix_index: int) -> int:
     if owner in holders:
         return owner
     return holders[matrix_index % len(holders)]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkBlock:
-    """The rectangle of a 2-D matrix one rank orthogonalizes (or its whole matrix).
-
-    A matrix with one owner has one block covering it; a matrix whose NS is split over ``g`` ranks
-    has ``g`` blocks along its long dim (``split_newton_schulz``).
-    """
-
-    rank: int  # group rank that receives this block and computes on it
-    row_start: int
-    row_stop: int
-    col_start: int
-    col_stop: int
-
-    @staticmethod
-    def whole(rank: int, layout: RowLayout) -> WorkBlock:
-        """The whole matrix of ``layout``, on ``rank`` (columns: the first row dim)."""
-        return WorkBlock(rank, 0, layout.num_rows, 0, layout.row_shape[0])
 
 
 @dataclass(slots=True)
@@ -236,24 +211,19 @@ class OwnerExchange:
         w = self.work[m][k]
         return (w.row_stop - w.row_start, w.col_stop - w.col_start, *self.layouts[m].row_shape[1:])
 
-    def gather_to_owners(
+    def start_gather_to_owners(
         self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
-    ) -> dict[tuple[int, int], torch.Tensor]:
-        """Sends each local row shard to the workers of its matrix. Collective over ``group``.
+    ) -> PendingExchange:
+        """Starts sending each local row shard to the workers of its matrix (collective over
+        ``group``, asynchronous); ``finish`` waits and returns the result.
 
         Args:
             local_rows: this rank's rows of each matrix, ``(rows_of(rank), *row_shape)``.
 
         Returns:
-            For each of this rank's work blocks ``(m, k)``, its rectangle of matrix ``m`` (the
-            full matrix for an unsplit one), fp32.
+            The pending exchange; ``finish`` gives, for each of this rank's work blocks
+            ``(m, k)``, its rectangle of matrix ``m`` (the full matrix for an unsplit one), fp32.
         """
-        return self.finish(self.start_gather_to_owners(local_rows, stats))
-
-    def start_gather_to_owners(
-        self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
-    ) -> PendingExchange:
-        """Starts ``gather_to_owners`` asynchronously; ``finish`` returns its result."""
 
         def read(block: _Block) -> torch.Tensor:
             start = self.layouts[block.matrix].ranges[self.rank][0]
@@ -277,23 +247,19 @@ class OwnerExchange:
         local = [b for b in self._self_in if (b.matrix, b.work) not in self._direct_in]
         return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats, local)
 
-    def scatter_from_owners(
+    def start_scatter_from_owners(
         self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
-    ) -> list[torch.Tensor]:
-        """Returns each holder its rows of the workers' results. Collective over ``group``.
+    ) -> PendingExchange:
+        """Starts returning each holder its rows of the workers' results (collective over
+        ``group``, asynchronous); ``finish`` waits and returns the result.
 
         Args:
             results: for each of this rank's work blocks ``(m, k)``, the result rectangle.
 
         Returns:
-            This rank's rows of each matrix's result, ``(rows_of(rank), *row_shape)``, fp32.
+            The pending exchange; ``finish`` gives this rank's rows of each matrix's result,
+            ``(rows_of(rank), *row_shape)``, fp32.
         """
-        return self.finish(self.start_scatter_from_owners(results, stats))
-
-    def start_scatter_from_owners(
-        self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
-    ) -> PendingExchange:
-        """Starts ``scatter_from_owners`` asynchronously; ``finish`` returns its result."""
 
         def read(block: _Block) -> torch.Tensor:
             w = self.work[block.matrix][block.work]

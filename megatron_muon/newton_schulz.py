@@ -1,49 +1,44 @@
-"""Newton-Schulz orthogonalization as pure functions on plain local tensors.
+"""Newton-Schulz (NS) orthogonalization: the methods, their configuration and their FLOP cost.
 
-Two NS methods compute the same polynomial of a matrix ``X`` (``(k, l)`` after transposing so that
-``k <= l``), step ``t`` being ``X <- (a_t I + b_t X X^T + c_t (X X^T)^2) X``:
+Every NS method computes the same polynomial of a matrix ``X`` (``(k, l)`` after transposing so
+that ``k <= l``), step ``t`` being ``X <- (a_t I + b_t X X^T + c_t (X X^T)^2) X``. The methods are
+the entries of one registry, ``NS_METHODS`` (name -> how to run it, its FLOP count, whether
+``split_newton_schulz`` can split it over ranks); ``NSMethodT`` lists the same names, so that the
+config, the CLI choices and the planner's cost all follow from this file:
 
 - ``"standard"``: emerging-optimizers' ``newton_schulz`` (the code megatron-core's
   ``TensorParallelMuon`` runs), iterating on ``X`` itself;
-- ``"gram"``: Gram Newton-Schulz (Zhang, Amsel, Chen, Dao, 2026,
-  https://dao-ailab.github.io/blog/2026/gram-newton-schulz/), iterating on the small ``(k, k)``
-  Gram matrix ``R = X X^T`` and applying the accumulated polynomial ``Q`` to ``X`` once at the end.
-  Fewer FLOPs when ``l`` is well above ``k``; where it would not save FLOPs (near-square matrices)
-  it runs the standard iteration instead, so ``ns_flops`` is never worse than the standard count.
+- ``"gram"``: Gram Newton-Schulz (``gram_newton_schulz``), iterating on the small ``(k, k)`` Gram
+  matrix. Where it would not save FLOPs (near-square matrices) it runs the standard iteration
+  instead, so its cost is never above the standard count.
 
 Around the iteration, this module adds what a sharded optimizer needs:
 
 - ``orthogonalize_batch``: same-shape matrices orthogonalized in one batched NS call;
 - ``scaled_orthogonalize``: NS followed by Muon's scale factor, exactly as ``TensorParallelMuon``'s
   ``scaled_orthogonalize_fn`` computes it for an untensor-parallel matrix;
-- ``ns_flops``: the matmul FLOPs NS performs on a matrix, the cost model of the owner planner.
+- ``ns_flops`` / ``NSConfig.flops``: the matmul FLOPs NS performs on a matrix, the cost model of
+  the owner planner (``cost_model``).
 
 Coefficients: every emerging-optimizers ``NSCoeffT`` set (``simple``, ``quintic``,
-``polar_express``, ``cans``, ``aol``, ``deepseekv4``, ``custom``) works with both methods and with
+``polar_express``, ``cans``, ``aol``, ``deepseekv4``, ``custom``) works with every method and with
 the same schedule: ``polar_express``, ``cans`` and ``deepseekv4`` repeat their last triple past the
 end of the list, the others (and ``custom``) cycle through it (``coefficient_schedule``).
 
 Precision. Inputs are plain ``torch.Tensor`` (never DTensor), fp32, 2-D ``(M, N)`` or 3-D
 ``(B, M, N)``; results are fp32. When ``torch.get_float32_matmul_precision() == "medium"``
 (Megatron's default ``--muon-fp32-matmul-prec``), the standard method runs its matmuls in bf16 (as
-``newton_schulz`` does) and the Gram method in ``NSConfig.gram_half_dtype``, fp16 by default as Gram
-NS's authors do: ``R = X X^T`` squares the singular values, so ``R`` needs mantissa more than range
-(``X`` is normalized, ``|R_ij| <= 1``), and fp16 has 3 more mantissa bits than bf16. Measured on
-spectra spread over 1e-8..1 (tests/test_newton_schulz.py), fp16 Gram NS with one restart per 3
-steps deviates from the float64 polynomial 5-10x less than bf16 standard NS does; bf16 Gram NS needs
-a restart every 2 steps to match bf16 standard NS (and diverges with fp16's schedule), which costs
-FLOPs (1.29x fewer than standard at aspect ratio 4 instead of 1.5x). On CPUs without fp16 GEMMs
-(most), fp16 matmuls are emulated and ~100x slower: choose ``gram_half_dtype="bfloat16"`` there.
-CANS coefficients are fp32-only in practice: even standard NS in bf16 deviates by 0.2-0.7 in
-singular values on Gaussian matrices.
+``newton_schulz`` does) and the Gram method in ``NSConfig.gram_half_dtype`` (fp16 by default; most
+CPUs emulate fp16 GEMMs slowly: choose ``"bfloat16"`` there). Measured accuracy of the methods and
+dtypes: docs/newton_schulz.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, cycle, islice, repeat
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from emerging_optimizers.orthogonalized_optimizers.muon import get_muon_scale_factor
@@ -53,14 +48,20 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
     newton_schulz,
 )
 
+from megatron_muon.gram_newton_schulz import (
+    check_restarts,
+    default_gram_restarts,
+    gram_newton_schulz,
+    gram_ns_flops,
+)
+from megatron_muon.options import GramHalfDtypeT, MuonScaleT, check_choice
+
 __all__ = [
+    "NS_METHODS",
     "NSConfig",
+    "NSMethod",
     "NSMethodT",
-    "MuonScaleT",
-    "GramHalfDtypeT",
     "coefficient_schedule",
-    "default_gram_restarts",
-    "gram_newton_schulz",
     "ns_flops",
     "orthogonalize",
     "orthogonalize_batch",
@@ -68,15 +69,75 @@ __all__ = [
     "uses_gram",
 ]
 
-MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
-NSMethodT = Literal["standard", "gram"]
-GramHalfDtypeT = Literal["float16", "bfloat16"]
 CoefficientT = tuple[float, float, float]
 
 # The sets that newton_schulz extends by repeating their last triple; all others cycle. This mirrors
 # a local tuple inside emerging-optimizers' newton_schulz (no public name); the test
 # test_schedule_reproduces_emerging_newton_schulz pins the two together bitwise.
 _REPEAT_LAST_TYPES: frozenset[str] = frozenset({"polar_express", "cans", "deepseekv4"})
+
+
+# --------------------------------------------------------------------------------------------------
+# The NS-method registry: a new method is a name in NSMethodT and one entry in NS_METHODS.
+# --------------------------------------------------------------------------------------------------
+
+NSMethodT = Literal["standard", "gram"]
+
+
+@dataclass(frozen=True, slots=True)
+class NSMethod:
+    """One NS method.
+
+    Attributes:
+        run: NS (without Muon's scale) of a 2-D ``(M, N)`` or batched 3-D ``(B, M, N)`` fp32
+            tensor under a config; returns fp32 of the same shape.
+        flops: matmul FLOPs of ``run`` on one ``(rows, cols)`` matrix under a config.
+        splittable: ``split_newton_schulz`` implements the method, so the planner may split one
+            matrix's NS over a block of ranks.
+    """
+
+    run: Callable[[torch.Tensor, NSConfig], torch.Tensor]
+    flops: Callable[[int, int, NSConfig], int]
+    splittable: bool
+
+
+def _standard(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
+    custom = None
+    if config.custom_coefficient_sets is not None:
+        custom = [tuple(triple) for triple in config.custom_coefficient_sets]
+    return newton_schulz(
+        x, config.num_ns_steps, config.coefficient_type, custom_coefficient_sets=custom
+    )
+
+
+def _standard_flops(rows: int, cols: int, config: NSConfig) -> int:
+    """Per step ``A = X X^T`` (2 k^2 l), ``B = bA + cA A`` (2 k^3) and ``X = aX + B X`` (2 k^2 l),
+    with ``k = min(rows, cols)``, ``l = max(rows, cols)``."""
+    k, long = min(rows, cols), max(rows, cols)
+    return config.num_ns_steps * (4 * k * k * long + 2 * k * k * k)
+
+
+def _gram(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
+    if not uses_gram(x.shape[-2], x.shape[-1], config):
+        return _standard(x, config)
+    schedule = coefficient_schedule(
+        config.num_ns_steps, config.coefficient_type, config.custom_coefficient_sets
+    )
+    return gram_newton_schulz(
+        x, schedule, config.restarts(), compute_dtype=config.gram_compute_dtype()
+    )
+
+
+def _gram_flops(rows: int, cols: int, config: NSConfig) -> int:
+    gram = gram_ns_flops(rows, cols, config.num_ns_steps, config.restarts())
+    return min(gram, _standard_flops(rows, cols, config))
+
+
+NS_METHODS: dict[str, NSMethod] = {
+    "standard": NSMethod(run=_standard, flops=_standard_flops, splittable=True),
+    "gram": NSMethod(run=_gram, flops=_gram_flops, splittable=False),
+}
+assert set(NS_METHODS) == set(get_args(NSMethodT)), "NSMethodT and NS_METHODS name the same methods"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +147,7 @@ class NSConfig:
     Mirrors ``TensorParallelMuon``'s constructor arguments of the same names, plus:
 
     Attributes:
-        ns_method: ``"standard"`` or ``"gram"`` (see the module docstring).
+        ns_method: a method of the registry ``NS_METHODS`` (see the module docstring).
         custom_coefficient_sets: the ``(a, b, c)`` triples when ``coefficient_type == "custom"``
             (cycled through, as ``newton_schulz`` does); must be ``None`` otherwise.
         gram_restarts: Gram NS only: after how many iterations to rebuild ``X`` and ``R`` from the
@@ -114,8 +175,8 @@ class NSConfig:
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
         if self.num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {self.num_ns_steps}")
-        if self.ns_method not in ("standard", "gram"):
-            raise ValueError(f"ns_method must be 'standard' or 'gram', got {self.ns_method!r}")
+        check_choice("scale_mode", self.scale_mode, MuonScaleT)
+        check_choice("ns_method", self.ns_method, NSMethodT)
         # Raises ValueError on an unknown type or a custom type without (valid) triples.
         coefficient_schedule(self.num_ns_steps, self.coefficient_type, self.custom_coefficient_sets)
         if self.coefficient_type != "custom" and self.custom_coefficient_sets is not None:
@@ -124,11 +185,8 @@ class NSConfig:
                 f"got coefficient_type={self.coefficient_type!r}"
             )
         if self.gram_restarts is not None:
-            _check_restarts(self.gram_restarts, self.num_ns_steps)
-        if self.gram_half_dtype not in ("float16", "bfloat16"):
-            raise ValueError(
-                f"gram_half_dtype must be 'float16' or 'bfloat16', got {self.gram_half_dtype!r}"
-            )
+            check_restarts(self.gram_restarts, self.num_ns_steps)
+        check_choice("gram_half_dtype", self.gram_half_dtype, GramHalfDtypeT)
 
     def shape_scale(self, rows: int, cols: int) -> float:
         """Muon's shape-dependent update scale for a ``(rows, cols)`` matrix (without the extra)."""
@@ -147,8 +205,20 @@ class NSConfig:
         return torch.float32
 
     def flops(self, rows: int, cols: int) -> int:
-        """``ns_flops`` of a ``(rows, cols)`` matrix under this config's method and restarts."""
-        return ns_flops(rows, cols, self.num_ns_steps, self.ns_method, self.restarts())
+        """Matmul FLOPs of this config's NS on a ``(rows, cols)`` matrix (its method's cost)."""
+        return NS_METHODS[self.ns_method].flops(rows, cols, self)
+
+    @property
+    def splittable(self) -> bool:
+        """Whether ``split_newton_schulz`` can run this NS over a block of ranks: a method that
+        it implements, with a built-in coefficient set."""
+        return NS_METHODS[self.ns_method].splittable and self.coefficient_type != "custom"
+
+    @property
+    def is_tensor_parallel_muons(self) -> bool:
+        """Whether this is the NS ``TensorParallelMuon`` runs itself (the standard method, a
+        built-in coefficient set), so that its tensor-parallel NS can stand in for it."""
+        return self.ns_method == "standard" and self.custom_coefficient_sets is None
 
 
 def coefficient_schedule(
@@ -178,22 +248,6 @@ def coefficient_schedule(
     return list(islice(endless, num_steps))  # type: ignore[arg-type]
 
 
-def default_gram_restarts(
-    num_steps: int, half_dtype: GramHalfDtypeT = "float16"
-) -> tuple[int, ...]:
-    """Default Gram restart positions: after iteration 2, then every 3 (fp16) or 2 (bf16) more.
-
-    Five steps with fp16 restart once, after the second, as Gram NS's authors do: the first
-    iterations have the largest ``a`` and amplify rounding in ``R`` by ``a^2`` per step, so ``R`` is
-    rebuilt from ``X`` before its error outgrows fp16. Longer schedules restart every 3 further
-    iterations: without them, 10-step DeepSeek-V4 coefficients diverge even in fp32 on
-    ill-conditioned matrices. bf16's 8-bit mantissa needs a restart every 2 iterations
-    (tests/test_newton_schulz.py). The schedule does not depend on the run's matmul precision, so
-    ``ns_flops`` (the planner's cost model) knows it from the config alone.
-    """
-    return tuple(range(2, num_steps, 3 if half_dtype == "float16" else 2))
-
-
 def ns_flops(
     rows: int,
     cols: int,
@@ -201,131 +255,27 @@ def ns_flops(
     ns_method: NSMethodT = "standard",
     gram_restarts: Sequence[int] | None = None,
 ) -> int:
-    """Matmul FLOPs of ``num_ns_steps`` NS iterations on a ``(rows, cols)`` matrix.
-
-    NS works on the smaller side ``k = min(rows, cols)``, ``l = max(rows, cols)``. A standard step
-    computes ``A = X X^T`` (2 k^2 l), ``B = bA + cA A`` (2 k^3) and ``X = aX + B X`` (2 k^2 l).
-
-    Gram NS with ``S - 1`` restarts (``S`` segments) computes, per segment, ``R = X X^T`` at its
-    start and ``X = Q X`` at its end (2 k^2 l each); per step ``Z = bR + cR R`` (2 k^3), except at a
-    segment's first step ``Q = aQ + Q Z`` (2 k^3), and except at its last step
-    ``R = (aI + Z) R (aI + Z)`` (two products, 4 k^3): ``4 S k^2 l + 2 k^3 (4 T - 3 S)`` for ``T``
-    steps. That is below the standard count iff ``T > S`` and ``l > 1.5 k``; elsewhere Gram NS runs
-    (and is charged) the standard iteration.
+    """Matmul FLOPs of ``num_ns_steps`` NS iterations of ``ns_method`` on a ``(rows, cols)`` matrix.
 
     Args:
         gram_restarts: Gram only; ``None`` means ``default_gram_restarts(num_ns_steps)`` (fp16).
     """
-    k, long = min(rows, cols), max(rows, cols)
-    standard = num_ns_steps * (4 * k * k * long + 2 * k * k * k)
-    if ns_method == "standard":
-        return standard
-    if ns_method != "gram":
-        raise ValueError(f"ns_method must be 'standard' or 'gram', got {ns_method!r}")
-    if gram_restarts is None:
-        gram_restarts = default_gram_restarts(num_ns_steps)
-    segments = len(gram_restarts) + 1
-    gram = 4 * segments * k * k * long + 2 * k * k * k * (4 * num_ns_steps - 3 * segments)
-    return min(gram, standard)
+    config = NSConfig(num_ns_steps=num_ns_steps, ns_method=ns_method, gram_restarts=gram_restarts)
+    return config.flops(rows, cols)
 
 
 def uses_gram(rows: int, cols: int, config: NSConfig) -> bool:
-    """Whether ``config`` runs the Gram iteration on a ``(rows, cols)`` matrix (False: standard)."""
+    """Whether ``config`` runs the Gram iteration on a ``(rows, cols)`` matrix (False: standard):
+    the Gram method, where it needs fewer FLOPs than the standard iteration."""
     if config.ns_method != "gram":
         return False
-    standard = ns_flops(rows, cols, config.num_ns_steps, "standard")
-    return config.flops(rows, cols) < standard
-
-
-def gram_newton_schulz(
-    x: torch.Tensor,
-    coefficients: Sequence[CoefficientT],
-    restarts: Sequence[int] = (),
-    eps: float = 1e-7,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Gram Newton-Schulz: the standard NS polynomial of ``x``, iterated on ``R = X X^T``.
-
-    With ``X`` transposed to ``(k, l)``, ``k <= l``, and normalized by its Frobenius norm, standard
-    NS step ``t`` is ``X_t = P_t X_{t-1}`` with ``P_t = a I + b R_{t-1} + c R_{t-1}^2`` and
-    ``R_t = X_t X_t^T = P_t R_{t-1} P_t`` (``P_t`` is a polynomial in ``R_{t-1}``, so all commute).
-    Gram NS keeps ``Q_t = P_t ... P_1`` and ``R_t`` (both ``(k, k)``) and forms ``X_T = Q_T X_0``
-    once. ``R_t`` accumulates rounding that the ``a^2`` growth per step amplifies, and eigenvalues
-    of ``R`` that rounding pushed below zero diverge under the polynomial; a restart (after the
-    iterations in ``restarts``) sets ``X = Q X``, ``R = X X^T``, ``Q = I`` to start from a Gram
-    matrix that is positive semi-definite up to one rounding again.
-
-    This function always runs the Gram iteration (no FLOPs fallback; ``orthogonalize`` has it).
-
-    Args:
-        x: ``(M, N)`` or batched ``(B, M, N)``, fp32; each matrix is orthogonalized on its own.
-        coefficients: the ``(a, b, c)`` triple of each iteration (``coefficient_schedule``).
-        restarts: restart after these many iterations, each in ``[1, len(coefficients))``.
-        eps: added to the Frobenius norm before dividing, as in ``newton_schulz``.
-        compute_dtype: matmul dtype (fp32, fp16, bf16; see the module docstring for restarts
-            that keep each accurate). ``None``: fp16 when
-            ``torch.get_float32_matmul_precision() == "medium"``, fp32 otherwise.
-
-    Returns:
-        fp32 tensor of ``x``'s shape.
-    """
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x must be 2-D (M, N) or 3-D (B, M, N), got shape {tuple(x.shape)}")
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be float32, got {x.dtype}")
-    _check_restarts(tuple(restarts), len(coefficients))
-    if compute_dtype is None:
-        medium = torch.get_float32_matmul_precision() == "medium"
-        compute_dtype = torch.float16 if medium else torch.float32
-
-    transpose = x.size(-2) > x.size(-1)
-    if transpose:
-        x = x.mT
-    x = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=eps)  # type: ignore[arg-type]
-    x = x.to(compute_dtype)
-
-    restart_set = set(restarts)
-    last = len(coefficients) - 1
-    gram = x @ x.mT
-    q: torch.Tensor | None = None
-    for step, (a, b, c) in enumerate(coefficients):
-        if step in restart_set:
-            x = q @ x  # type: ignore[operator]
-            gram = x @ x.mT
-            q = None
-        z = _addmm(gram, gram, gram, beta=b, alpha=c)  # b R + c R^2
-        if q is None:  # first step of a segment: Q = a I + Z
-            q = z.clone()
-            q.diagonal(dim1=-2, dim2=-1).add_(a)
-        else:
-            q = _addmm(q, q, z, beta=a, alpha=1.0)  # a Q + Q Z
-        if step != last and step + 1 not in restart_set:
-            rz = _addmm(gram, gram, z, beta=a, alpha=1.0)  # (a I + Z) R
-            gram = _addmm(rz, z, rz, beta=a, alpha=1.0)  # (a I + Z) R (a I + Z)
-    x = (q @ x).to(torch.float32)  # type: ignore[operator]
-    return x.mT if transpose else x
+    gram = gram_ns_flops(rows, cols, config.num_ns_steps, config.restarts())
+    return gram < _standard_flops(rows, cols, config)
 
 
 def orthogonalize(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
-    """NS of a 2-D ``(M, N)`` or 3-D ``(B, M, N)`` fp32 tensor by ``config``'s method (no scale).
-
-    The Gram method falls back to the standard iteration on shapes where it would not save FLOPs
-    (``uses_gram``); the standard method is emerging-optimizers' ``newton_schulz`` itself.
-    """
-    rows, cols = x.shape[-2], x.shape[-1]
-    if uses_gram(rows, cols, config):
-        schedule = coefficient_schedule(
-            config.num_ns_steps, config.coefficient_type, config.custom_coefficient_sets
-        )
-        return gram_newton_schulz(
-            x, schedule, config.restarts(), compute_dtype=config.gram_compute_dtype()
-        )
-    custom = None
-    if config.custom_coefficient_sets is not None:
-        custom = [tuple(triple) for triple in config.custom_coefficient_sets]
-    return newton_schulz(
-        x, config.num_ns_steps, config.coefficient_type, custom_coefficient_sets=custom
-    )
+    """NS of a 2-D ``(M, N)`` or 3-D ``(B, M, N)`` fp32 tensor by ``config``'s method (no scale)."""
+    return NS_METHODS[config.ns_method].run(x, config)
 
 
 def orthogonalize_batch(matrices: Sequence[torch.Tensor], config: NSConfig) -> list[torch.Tensor]:
@@ -365,20 +315,3 @@ def _scale_inplace(
     if config.extra_scale_factor != 1.0:
         orthogonal.mul_(config.extra_scale_factor)
     return orthogonal
-
-
-def _addmm(
-    input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float, alpha: float
-) -> torch.Tensor:
-    """``beta * input + alpha * mat1 @ mat2``, 2-D (``addmm``) or batched 3-D (``baddbmm``)."""
-    if mat1.ndim == 2:
-        return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
-    return torch.baddbmm(input, mat1, mat2, beta=beta, alpha=alpha)
-
-
-def _check_restarts(restarts: tuple[int, ...], num_steps: int) -> None:
-    """Raises ValueError unless ``restarts`` is increasing and inside ``[1, num_steps)``."""
-    if any(not 1 <= r < num_steps for r in restarts) or list(restarts) != sorted(set(restarts)):
-        raise ValueError(
-            f"gram restarts must be increasing iteration counts in [1, {num_steps}), got {restarts}"
-        )

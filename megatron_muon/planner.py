@@ -27,11 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_muon.split_newton_schulz import (
-    split_dim_of_pieces,
-    split_ns_bytes,
-    split_pieces_flops,
-)
+from megatron_muon.cost_model import split_dim_of_pieces, split_ns_bytes, split_pieces_flops
 
 __all__ = ["OwnerPlan", "plan_owners", "plan_split_owners"]
 
@@ -74,19 +70,9 @@ class OwnerPlan:
         """The group ranks that orthogonalize matrix ``index`` (one rank unless split)."""
         return range(self.owners[index], self.owners[index] + self.split_size(index))
 
-    def owned_by(self, rank: int) -> list[int]:
-        """Indices of the unsplit matrices ``rank`` owns, in matrix order."""
-        return [
-            i for i, owner in enumerate(self.owners) if owner == rank and self.split_size(i) == 1
-        ]
-
     def split_matrices(self) -> list[int]:
         """Indices of the matrices whose NS is split over more than one rank, in matrix order."""
         return [i for i in range(len(self.owners)) if self.split_size(i) > 1]
-
-    def shared_by(self, rank: int) -> list[int]:
-        """Indices of the split matrices whose block includes ``rank``, in matrix order."""
-        return [i for i in self.split_matrices() if rank in self.members(i)]
 
 
 def plan_owners(costs: Sequence[int], group_size: int) -> OwnerPlan:

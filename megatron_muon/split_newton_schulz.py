@@ -18,139 +18,25 @@ matrix, as ``newton_schulz`` takes it) and ``X_j`` rank ``j``'s ``(k, l_j)`` col
 
 The normalization before the first step all-reduces the squared Frobenius norm. Per rank and step
 that is ``4 k^2 l_j + 2 k_j k^2`` FLOPs (``ns_flops / g`` for even blocks) and two collectives of
-``k^2`` elements (``split_ns_bytes``). Same-shape matrices split over one group can go in one
-batched call, sharing the collectives. Every rank of the group must call with the same
-``full_shape``; the blocks are those of ``split_bounds(long side, g)``. Under
+``k^2`` elements (``cost_model.split_ns_flops`` / ``split_ns_bytes``). Same-shape matrices split
+over one group can go in one batched call, sharing the collectives. Every rank of the group must
+call with the same ``full_shape``; the blocks are those of ``cost_model.split_bounds(long side,
+g)`` along ``cost_model.long_dim``. Under
 ``torch.get_float32_matmul_precision() == "medium"`` the iteration runs in bf16 exactly as
 ``newton_schulz`` does (collectives then carry bf16). Only the standard iteration is split (not
-Gram NS).
+Gram NS): the ``"standard"`` entry of the NS-method registry is the splittable one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
-    NSCoeffT,
-    get_coefficient_iterator,
-)
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
 
-from megatron_muon.newton_schulz import NSConfig
+from megatron_muon.cost_model import long_dim, split_bounds
+from megatron_muon.newton_schulz import NSConfig, coefficient_schedule
 
-__all__ = [
-    "long_dim",
-    "split_bounds",
-    "split_dim_of_pieces",
-    "split_ns_bytes",
-    "split_ns_flops",
-    "split_pieces_flops",
-    "split_newton_schulz",
-    "split_scaled_orthogonalize",
-]
-
-
-def long_dim(rows: int, cols: int) -> int:
-    """The dim a split NS divides: 0 for a tall matrix, 1 for a wide or square one.
-
-    It is the dim ``newton_schulz`` keeps long (it transposes exactly when ``rows > cols``), so the
-    split form performs the same products as the full one, only summed in pieces.
-    """
-    return 0 if rows > cols else 1
-
-
-def split_bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each part of ``range(length)`` cut into ``num_parts`` near-even blocks.
-
-    The first ``length % num_parts`` parts are one longer (``torch.tensor_split``'s rule); parts
-    may be empty when ``num_parts > length``.
-    """
-    if num_parts < 1:
-        raise ValueError(f"num_parts must be at least 1, got {num_parts}")
-    if length < 0:
-        raise ValueError(f"length must be non-negative, got {length}")
-    base, extra = divmod(length, num_parts)
-    bounds = []
-    start = 0
-    for part in range(num_parts):
-        stop = start + base + (1 if part < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-def split_ns_flops(rows: int, cols: int, num_ns_steps: int, num_parts: int, part: int) -> int:
-    """FLOPs rank ``part`` of a ``num_parts``-rank group performs in ``split_newton_schulz``.
-
-    With one part this equals ``ns_flops(rows, cols, num_ns_steps)``.
-    """
-    if not 0 <= part < num_parts:
-        raise ValueError(f"part must be in [0, {num_parts}), got {part}")
-    k, long = min(rows, cols), max(rows, cols)
-    l_start, l_stop = split_bounds(long, num_parts)[part]
-    k_start, k_stop = split_bounds(k, num_parts)[part]
-    return num_ns_steps * (4 * k * k * (l_stop - l_start) + 2 * (k_stop - k_start) * k * k)
-
-
-def split_dim_of_pieces(pieces: Sequence[tuple[int, int]]) -> int | None:
-    """The dim along which a param made of NS ``pieces`` can be split, or ``None`` if it cannot.
-
-    A plain matrix is one piece and splits along its ``long_dim``. A QKV-split param's pieces
-    (Q, K, V: row groups of one ``(rows, cols)`` param) share their columns, so the param splits by
-    columns when every piece is wide or square: each rank then holds columns
-    ``split_bounds(cols, g)[rank]`` of the whole param and runs ``split_newton_schulz`` on each
-    piece's rows of that block. Pieces with different long dims cannot share one block layout.
-    """
-    if not pieces:
-        return None
-    if len(pieces) == 1:
-        return long_dim(*pieces[0])
-    if all(long_dim(rows, cols) == 1 for rows, cols in pieces):
-        return 1
-    return None
-
-
-def split_pieces_flops(
-    pieces: Sequence[tuple[int, int]], num_ns_steps: int, num_parts: int, part: int
-) -> int:
-    """``split_ns_flops`` summed over a param's NS pieces (Q, K, V, or the one matrix)."""
-    return sum(split_ns_flops(r, c, num_ns_steps, num_parts, part) for r, c in pieces)
-
-
-def split_ns_bytes(
-    pieces: Sequence[tuple[int, int]], num_ns_steps: int, num_parts: int, element_bytes: int
-) -> int:
-    """Bytes one rank of a ``num_parts`` block sends (and receives) in ``split_newton_schulz``.
-
-    Per piece and step, ring algorithms: the all-reduce of the ``(k, k)`` Gram matrix
-    (``2 k^2 (g - 1) / g`` elements) and the all-gather of ``B``'s padded row blocks
-    (``(g - 1) ceil(k / g) k``); the norm all-reduce is one element. ``element_bytes``: 2 under
-    "medium" precision (bf16 iteration), 4 otherwise.
-    """
-    if num_parts == 1:
-        return 0
-    total = 0
-    for rows, cols in pieces:
-        k = min(rows, cols)
-        gram = 2 * k * k * (num_parts - 1) // num_parts
-        gather = (num_parts - 1) * -(-k // num_parts) * k
-        total += num_ns_steps * (gram + gather) * element_bytes
-    return total
-
-
-def _coefficients(
-    coefficient_type: NSCoeffT, num_ns_steps: int
-) -> list[tuple[float, float, float]]:
-    # The same (a, b, c) sequence newton_schulz uses. The sets themselves are private to
-    # emerging_optimizers (no public accessor); the iteration mode follows its rule.
-    from emerging_optimizers.orthogonalized_optimizers.muon_utils import _COEFFICIENT_SETS
-
-    if coefficient_type not in _COEFFICIENT_SETS:
-        raise ValueError(f"unsupported coefficient_type {coefficient_type!r} for split NS")
-    repeat_last = coefficient_type in ("polar_express", "cans", "deepseekv4")
-    mode = "repeat_last" if repeat_last else "cycle"
-    return list(get_coefficient_iterator(num_ns_steps, _COEFFICIENT_SETS[coefficient_type], mode))
+__all__ = ["split_newton_schulz", "split_scaled_orthogonalize"]
 
 
 def split_newton_schulz(
@@ -209,7 +95,7 @@ def split_newton_schulz(
     k_start, k_stop = k_bounds[rank]
     pad_rows = max(b - a for a, b in k_bounds)
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
-    for a, b, c in _coefficients(coefficient_type, num_ns_steps):
+    for a, b, c in coefficient_schedule(num_ns_steps, coefficient_type):
         gram = x @ x.mT
         dist.all_reduce(gram, group=group)
         own = gram[..., k_start:k_stop, :]

@@ -59,7 +59,7 @@ def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():
 
 
 def test_megatron_lm_integration_takes_over_qk_clip_for_muon_with_megatron_fsdp():
-    from megatron_muon.arguments import qk_clip_threshold
+    from megatron_muon.config import qk_clip_threshold
     from megatron_muon.integrations.megatron_lm_arguments import _take_over_qk_clip
 
     args = argparse.Namespace(qk_clip=True, qk_clip_threshold=20.0, qk_clip_alpha=0.5)

@@ -15,11 +15,10 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_muon.gram_newton_schulz import default_gram_restarts, gram_newton_schulz
 from megatron_muon.newton_schulz import (
     NSConfig,
     coefficient_schedule,
-    default_gram_restarts,
-    gram_newton_schulz,
     ns_flops,
     orthogonalize,
     orthogonalize_batch,

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
+from megatron_muon.newton_schulz import NSMethodT
 from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
 from megatron_muon.plan.report import analyze, format_report
 
@@ -33,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ep", type=int, help="expert-parallel size (default: the preset's)")
     parser.add_argument("--expt-dp", type=int, help="expert-data-parallel size")
     parser.add_argument("--ns-steps", type=int, default=5, help="NS iterations")
+    parser.add_argument(
+        "--ns-method",
+        choices=get_args(NSMethodT),
+        default="standard",
+        help="--muon-ns-method: the NS method, priced through its FLOP count",
+    )
     parser.add_argument(
         "--matmul-prec",
         choices=sorted(_NS_BYTES),
@@ -68,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             spec,
             parallel,
             num_ns_steps=args.ns_steps,
+            ns_method=args.ns_method,
             ns_bytes=_NS_BYTES[args.matmul_prec],
             max_split=args.max_split,
             bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),

@@ -4,7 +4,7 @@ Megatron-FSDP puts each FSDP unit's (transformer layer's) params of one kind (de
 one flat bucket, ordered by row size (``shape[1:].numel()``, largest first), padded to a multiple of
 ``group size x chunk_size_factor`` (the lcm of the row sizes), and gives each rank one contiguous
 ``size / group size`` slice: every cut falls between whole rows, most params lie on a run of ranks,
-and shards are uneven and often empty (REFERENCE.md section 3). Item offsets come from
+and shards are uneven and often empty. Item offsets come from
 megatron_fsdp's own ``build_data_parallel_buffer_index``; the bucket grouping and the chunk size
 factor mirror its ``_get_parameter_groups`` (step 3). Simplification: 1-D params of the layer (norm
 weights, fused into TE linears) are left out of the bucket; they are fragments smaller than a chunk

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from megatron_muon.newton_schulz import NSMethodT
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import ModelSpec, Parallelism, muon_matrices
 from megatron_muon.plan.strategies import STRATEGIES, GroupCost, GroupInput, cost_of, plan_for
@@ -64,6 +65,7 @@ class PlanReport:
     own_shard_bytes_mean: float
     planner_seconds: float
     strategies: tuple[StrategyFigures, ...]
+    ns_method: str = "standard"
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -93,6 +95,7 @@ def analyze(
     max_split: int = 16,
     bucket_bytes: int | None = None,
     flops_per_byte: float = 0.0,
+    ns_method: NSMethodT = "standard",
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> PlanReport:
     """Builds the Muon matrices, their FSDP layout, and every strategy's figures."""
@@ -102,12 +105,14 @@ def analyze(
         groups["dense"] = GroupInput(
             params.dense, layout_rows(params.dense, parallel.dp), parallel.dp,
             num_ns_steps, ns_bytes, max_split, bucket_bytes, flops_per_byte,
+            ns_method=ns_method,
         )  # fmt: skip
     if params.experts:
         size = parallel.expert_dp
         groups["experts"] = GroupInput(
             params.experts, layout_rows(params.experts, size), size,
             num_ns_steps, ns_bytes, max_split, bucket_bytes, flops_per_byte,
+            ns_method=ns_method,
         )  # fmt: skip
     world = np.arange(parallel.world_size)
     index = {
@@ -172,6 +177,7 @@ def analyze(
         own_shard_bytes_mean=float(own.mean()),
         planner_seconds=planner_seconds,
         strategies=tuple(results),
+        ns_method=ns_method,
     )
 
 
@@ -190,7 +196,8 @@ def format_report(report: PlanReport) -> str:
     lines = [
         f"{report.model}: DP {report.dp}, TP {report.tp}; Muon matrices per rank: "
         f"{report.num_dense_matrices} dense over DP{experts}",
-        f"NS {report.num_ns_steps} steps, {report.ns_bytes}-byte NS dtype; exchange bucket "
+        f"NS ({report.ns_method}) {report.num_ns_steps} steps, {report.ns_bytes}-byte NS dtype; "
+        "exchange bucket "
         f"{'unbounded' if report.bucket_bytes is None else _mb(report.bucket_bytes) + ' MiB'}; "
         "own fp32 momentum "
         f"shard per GPU: max {_mb(report.own_shard_bytes_max)} MiB, "

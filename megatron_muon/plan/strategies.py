@@ -29,15 +29,23 @@ buffers and full matrices held at once, plus the NS working set of the largest j
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.cost_model import (
+    pieces_flops,
+    split_bounds,
+    split_dim_of_pieces,
+    split_ns_bytes,
+)
+from megatron_muon.layout import RowLayout
+from megatron_muon.newton_schulz import NSConfig, NSMethodT
 from megatron_muon.plan.models import Matrix
-from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
-from megatron_muon.split_newton_schulz import split_bounds, split_dim_of_pieces, split_ns_bytes
+from megatron_muon.planner import OwnerPlan
+from megatron_muon.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
 
@@ -58,6 +66,8 @@ class GroupInput:
         max_split: largest rank block one matrix's NS may be split over (ours).
         flops_per_byte: ours: NS FLOPs one byte of split-NS traffic is worth to the planner.
         min_split_cost: ours: matrices under this many NS FLOPs are never split.
+        ns_method: the NS method (``newton_schulz.NS_METHODS``): its FLOP count, and whether
+            ours may split a matrix's NS.
         bucket_bytes: owner strategies exchange consecutive matrices whose full fp32 bytes fit
             this bound at once (``ShardedMuon(bucket_size_bytes=...)``); ``None``: all at once.
     """
@@ -71,28 +81,22 @@ class GroupInput:
     bucket_bytes: int | None = None
     flops_per_byte: float = 0.0
     min_split_cost: int = 10**11
+    ns_method: NSMethodT = "standard"
+
+    @property
+    def ns_config(self) -> NSConfig:
+        """The NS settings ``ShardedMuon`` would run (costs through the NS-method registry)."""
+        return _ns_config(self.num_ns_steps, self.ns_method)
 
     def buckets(self) -> list[list[int]]:
-        """As ``ShardedMuon._buckets``: consecutive matrices within ``bucket_bytes`` fp32 bytes."""
-        if self.bucket_bytes is None:
-            return [list(range(len(self.matrices)))] if self.matrices else []
-        buckets: list[list[int]] = []
-        current: list[int] = []
-        current_bytes = 0
-        for index, matrix in enumerate(self.matrices):
-            size = _EXCHANGE_BYTES * matrix.shape[0] * matrix.shape[1]
-            if current and current_bytes + size > self.bucket_bytes:
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(index)
-            current_bytes += size
-        if current:
-            buckets.append(current)
-        return buckets
+        """``ShardedMuon``'s exchange buckets (``step_plan.bucket_by_bytes``): consecutive
+        matrices within ``bucket_bytes`` fp32 bytes."""
+        sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in self.matrices]
+        return bucket_by_bytes(sizes, self.bucket_bytes)
 
     def cost(self, index: int) -> int:
         """NS FLOPs of matrix ``index``: the sum over its pieces (Q, K, V apart)."""
-        return sum(ns_flops(r, c, self.num_ns_steps) for r, c in self.matrices[index].pieces)
+        return pieces_flops(self.matrices[index].pieces, self.ns_config)
 
     def workspace(self, pieces: Sequence[tuple[int, int]], parts: int = 1) -> int:
         """NS working set of the largest piece, split over ``parts`` ranks: 2 X + A + B."""
@@ -135,29 +139,46 @@ def cost_of(strategy: str, group: GroupInput) -> GroupCost:
         loads = [0] * group.group_size
         for i, owner in enumerate(owners):
             loads[owner] += group.cost(i)
-        return _owner_exchange("round-robin", group, OwnerPlan(owners, tuple(loads)))
+        plan = OwnerPlan(owners, tuple(loads))
+        return _owner_exchange("round-robin", group, plan, group.buckets())
     if strategy == "dion":
         return _dion(group)
     if strategy == "ours":
-        return _owner_exchange("ours", group, plan_for(group))
+        ours = plan_for(group)
+        return _owner_exchange("ours", group, ours.owner_plan, ours.buckets)
     raise ValueError(f"unknown strategy {strategy!r}; known: {STRATEGIES}")
 
 
-def plan_for(group: GroupInput) -> OwnerPlan:
-    """Our plan: the code ``ShardedMuon`` runs, on this group's costs and pieces."""
-    costs = [group.cost(i) for i in range(len(group.matrices))]
-    if group.max_split <= 1:
-        return plan_owners(costs, group.group_size)
-    return plan_split_owners(
-        costs,
+def plan_for(group: GroupInput) -> StepPlan:
+    """Our plan: ``step_plan.plan_step``, the function ``ShardedMuon`` plans with, on this
+    group's matrices and rows."""
+    matrices = []
+    for i, (matrix, rows) in enumerate(zip(group.matrices, group.rows, strict=True)):
+        stops = np.cumsum(rows)
+        ranges = tuple(zip((stops - rows).tolist(), stops.tolist(), strict=True))
+        layout = RowLayout(matrix.shape[0], (matrix.shape[1],), ranges)
+        matrices.append(NSMatrix(i, layout, qkv_split_shapes=_split_shapes(matrix)))
+    return plan_step(
+        matrices,
         group.group_size,
-        [m.pieces for m in group.matrices],
-        group.num_ns_steps,
+        group.ns_config,
+        bucket_size_bytes=group.bucket_bytes,
+        min_split_flops=group.min_split_cost,
         max_split=group.max_split,
         flops_per_byte=group.flops_per_byte,
         element_bytes=group.ns_bytes,
-        min_split_cost=group.min_split_cost,
     )
+
+
+def _split_shapes(matrix: Matrix) -> tuple[int, ...]:
+    """QKV split shapes giving ``matrix.pieces`` (``NSMatrix.pieces``): the planner needs only
+    the pieces' shapes, so the rows of Q, K and V themselves serve, in one query group."""
+    return tuple(rows for rows, _ in matrix.pieces) if len(matrix.pieces) > 1 else ()
+
+
+@functools.cache
+def _ns_config(num_ns_steps: int, ns_method: NSMethodT) -> NSConfig:
+    return NSConfig(num_ns_steps=num_ns_steps, ns_method=ns_method)
 
 
 def _zeros(group: GroupInput) -> np.ndarray:
@@ -209,12 +230,14 @@ def _dion(group: GroupInput) -> GroupCost:
     return GroupCost("dion", flops, sent, sent.copy(), peak, collectives, useful)
 
 
-def _owner_exchange(strategy: str, group: GroupInput, plan: OwnerPlan) -> GroupCost:
-    """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange."""
+def _owner_exchange(
+    strategy: str, group: GroupInput, plan: OwnerPlan, buckets: Sequence[Sequence[int]]
+) -> GroupCost:
+    """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange of
+    ``buckets``."""
     flops = np.asarray(plan.loads, dtype=np.int64)
     sent, peak, workspace = _zeros(group), _zeros(group), _zeros(group)
     split_bytes, split_collectives = _zeros(group), _zeros(group)
-    buckets = group.buckets()
     for bucket in buckets:
         staged, held = _zeros(group), _zeros(group)
         for i in bucket:

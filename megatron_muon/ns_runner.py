@@ -1,0 +1,130 @@
+"""This rank's Newton-Schulz work in one step, with ``TensorParallelMuon``'s rules.
+
+``NSRunner`` orthogonalizes what the exchange brought to this rank (``owner_pipeline``): whole
+matrices (data-parallel-full, tensor-parallel-local, ``(rows, cols)`` fp32), the blocks of matrices
+whose NS is split over a block of ranks (``split_newton_schulz``), and local expert tensors
+``(E, out, in)`` (whole experts per rank). It applies Muon's scale as ``TensorParallelMuon`` does,
+runs Q, K and V apart under QKV split (``qkv``), batches same-shape NS jobs into one call, and
+counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS needs tensor-parallel
+collectives (``NSMatrix.tp_collectives``) goes whole through the optimizer's own
+``TensorParallelMuon.orthogonalize`` (the ``tensor_parallel`` callable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon.cost_model import split_ns_flops
+from megatron_muon.exchange import ExchangeStats
+from megatron_muon.newton_schulz import NSConfig, orthogonalize_batch
+from megatron_muon.qkv import join_qkv, split_qkv
+from megatron_muon.split_newton_schulz import split_scaled_orthogonalize
+from megatron_muon.step_plan import MatrixPlan, NSMatrix
+
+__all__ = ["NSRunner", "StepStats"]
+
+
+@dataclass(slots=True)
+class StepStats(ExchangeStats):
+    """What the last ``step()`` cost this rank: NS FLOPs, bytes moved, collectives entered, and
+    the largest fp32 bytes of full matrices (or work blocks) held at once."""
+
+    ns_flops: int = 0
+    peak_full_matrix_bytes: int = 0
+
+    def note_held(self, matrices: Sequence[torch.Tensor]) -> None:
+        """Records fp32 ``matrices`` held at once (for ``peak_full_matrix_bytes``)."""
+        total = sum(4 * m.numel() for m in matrices)
+        self.peak_full_matrix_bytes = max(self.peak_full_matrix_bytes, total)
+
+
+@dataclass(slots=True)
+class NSRunner:
+    """Runs this rank's NS work of one step.
+
+    Attributes:
+        config: NS method, coefficients and Muon's scale.
+        stats: the step's figures; NS FLOPs are added to it.
+        tensor_parallel: NS (with scale) of a whole matrix with ``tp_collectives``, through
+            ``TensorParallelMuon.orthogonalize``; counts its own FLOPs.
+    """
+
+    config: NSConfig
+    stats: StepStats
+    tensor_parallel: Callable[[NSMatrix, torch.Tensor], torch.Tensor]
+
+    def whole(
+        self, matrices: Sequence[MatrixPlan], tensors: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Orthogonalized ``tensors``, the full ``(rows, cols)`` fp32 matrices of ``matrices``.
+
+        Matrices with tensor-parallel collectives go through ``tensor_parallel`` one by one, in
+        order (the TP ranks call in the same order); all others are cut into NS jobs (Q, K and V
+        apart under QKV split) and same-shape jobs share one NS call.
+        """
+        results: dict[int, torch.Tensor] = {}
+        jobs: dict[int, list[torch.Tensor]] = {}
+        for i, (plan, tensor) in enumerate(zip(matrices, tensors, strict=True)):
+            if plan.matrix.tp_collectives:
+                results[i] = self.tensor_parallel(plan.matrix, tensor)
+            elif plan.matrix.qkv_split_shapes:
+                jobs[i] = split_qkv(tensor, plan.matrix.qkv_split_shapes)
+            else:
+                jobs[i] = [tensor]
+        done = iter(self.jobs([job for pieces in jobs.values() for job in pieces]))
+        for i, pieces in jobs.items():
+            outputs = [next(done) for _ in pieces]
+            shapes = matrices[i].matrix.qkv_split_shapes
+            results[i] = join_qkv(outputs, shapes) if len(outputs) > 1 else outputs[0]
+        return [results[i] for i in range(len(tensors))]
+
+    def split_block(
+        self, plan: MatrixPlan, block: torch.Tensor, group: dist.ProcessGroup, part: int
+    ) -> torch.Tensor:
+        """This rank's block of a matrix whose NS is split over ``group`` (Q, K, V apart).
+
+        Collective over ``group``. ``block`` holds rows (tall matrix) or columns (wide matrix, or
+        a QKV param split by columns) ``split_bounds(long side, g)[part]`` of the full matrix.
+        """
+        rows, cols = plan.matrix.shape
+        pieces = plan.matrix.pieces
+        for piece_rows, piece_cols in pieces:
+            self.stats.ns_flops += split_ns_flops(
+                piece_rows, piece_cols, self.config.num_ns_steps, plan.split_size, part
+            )
+        if len(pieces) == 1:
+            return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
+        shapes = plan.matrix.qkv_split_shapes
+        done = [
+            split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
+            for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
+        ]
+        return join_qkv(done, shapes)
+
+    def experts(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Orthogonalized local expert tensors ``(E, out, in)`` fp32, each expert on its own (all
+        experts of all tensors in one set of batched NS calls); no communication."""
+        results = iter(self.jobs([expert for tensor in tensors for expert in tensor.unbind(0)]))
+        out = []
+        for tensor in tensors:
+            local = [next(results) for _ in range(tensor.shape[0])]
+            out.append(
+                torch.stack(local) if local else torch.empty(tensor.shape, device=tensor.device)
+            )
+        return out
+
+    def jobs(self, jobs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """NS + scale of each 2-D job, same-shape jobs batched into one call; order kept."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for index, job in enumerate(jobs):
+            by_shape.setdefault(tuple(job.shape), []).append(index)
+        results: dict[int, torch.Tensor] = {}
+        for (rows, cols), indices in by_shape.items():
+            outputs = orthogonalize_batch([jobs[i] for i in indices], self.config)
+            self.stats.ns_flops += len(indices) * self.config.flops(rows, cols)
+            results.update(zip(indices, outputs, strict=True))
+        return [results[i] for i in range(len(jobs))]

@@ -1,0 +1,40 @@
+"""The allowed values of megatron-muon's string options, each defined once as a ``Literal`` alias.
+
+The config dataclasses that hold an option (``config.MuonConfig``, ``config.MuonFsdpConfig``,
+``newton_schulz.NSConfig``) check it with ``check_choice`` against its alias, and the command-line
+flags take ``typing.get_args(alias)`` as their choices (as megatron-core does for its own
+``Literal`` options). The NS methods (``NSMethodT``) are defined with their registry in
+``newton_schulz.py``, so that a new method is one entry in one file.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+__all__ = [
+    "FsdpModeT",
+    "GramHalfDtypeT",
+    "MuonScaleT",
+    "ScalarOptimizerT",
+    "TpModeT",
+    "check_choice",
+]
+
+# Where Newton-Schulz runs on Megatron-FSDP's row shards (``--muon-fsdp-mode``).
+FsdpModeT = Literal["owner", "gather"]
+# How TensorParallelMuon treats a tensor-parallel matrix (``--muon-tp-mode``).
+TpModeT = Literal["blockwise", "duplicated", "distributed"]
+# Muon's update scale (``--muon-scale-mode``; emerging-optimizers' ``get_muon_scale_factor``).
+MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
+# The optimizer of the params Muon does not take (``--muon-scalar-optimizer``).
+ScalarOptimizerT = Literal["adam", "lion"]
+# Gram Newton-Schulz's matmul dtype under "medium" fp32 matmul precision.
+GramHalfDtypeT = Literal["float16", "bfloat16"]
+
+
+def check_choice(name: str, value: Any, alias: Any) -> None:
+    """Raises ``ValueError("<name> must be one of (...), got <value>")`` unless ``value`` is one of
+    the ``Literal`` alias's values."""
+    choices = get_args(alias)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -1,0 +1,216 @@
+"""A step's Newton-Schulz over exchange buckets: rows in, NS, results back (one rank's view).
+
+``BucketRuntime.run`` takes the step's active 2-D matrices bucket by bucket (``StepPlan.buckets``)
+through three callbacks, as torchtitan's distributed Muon runtime does:
+
+- ``prepare(matrix)``: this rank's rows of the NS input, ``(rows_of(rank), cols)`` fp32;
+- ``compute``: an ``NSRunner`` orthogonalizing what arrived on this rank (whole matrices batched,
+  blocks of split matrices over their rank block's process group);
+- ``finalize(matrix, rows)``: this rank's rows of the orthogonalized update.
+
+How rows travel depends on the data-parallel group ``group`` and the mode:
+
+- one rank: no exchange, NS on the local (full) matrices;
+- ``"gather"`` (reference): a padded all_gather per bucket (``GatherExchange``), NS of every
+  matrix on every rank;
+- ``"owner"``: one packed all_to_all per bucket to the owners (``OwnerExchange``) and one back,
+  pipelined: while the owners orthogonalize bucket ``k``, bucket ``k + 1``'s shards are already on
+  their way (async all_to_all) and bucket ``k - 1``'s results on their way back, so at most two
+  buckets' full matrices are alive at once.
+
+Every rank enters every collective of every bucket, whether it holds rows of its matrices or not.
+The exchanges (their pack/unpack maps) are built once per set of active matrices and kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon.exchange import GatherExchange, OwnerExchange
+from megatron_muon.ns_runner import NSRunner, StepStats
+from megatron_muon.options import FsdpModeT
+from megatron_muon.step_plan import MatrixPlan, StepPlan
+
+__all__ = ["BucketRuntime", "create_split_groups"]
+
+PrepareT = Callable[[MatrixPlan], torch.Tensor]
+FinalizeT = Callable[[MatrixPlan, torch.Tensor], None]
+
+
+class BucketRuntime:
+    """Runs a static plan's buckets, step after step, on one rank of ``group``.
+
+    Args:
+        plan: the static plan (same on every rank).
+        mode: ``"owner"`` or ``"gather"``.
+        group: the data-parallel process group (``None``: the default group).
+        num_ranks: ranks in ``group`` (1: no exchange).
+
+    Creates a process group per rank block that splits a matrix's NS and includes this rank
+    (``create_split_groups``: collective over the block's ranks).
+    """
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        mode: FsdpModeT,
+        group: dist.ProcessGroup | None,
+        num_ranks: int,
+    ) -> None:
+        self.plan = plan
+        self.mode = mode
+        self.group = group
+        self.num_ranks = num_ranks
+        self.rank = dist.get_rank(group) if num_ranks > 1 else 0
+        self.split_groups = create_split_groups(plan, group) if num_ranks > 1 else {}
+        self._exchanges: dict[tuple[int, ...], OwnerExchange | GatherExchange] = {}
+
+    def params_with_grad_anywhere(
+        self, params: Sequence[torch.Tensor], stats: StepStats
+    ) -> list[bool]:
+        """Which of ``params`` have a grad on some rank of ``group`` (one small all_reduce).
+
+        A rank holding zero rows has ``grad is None`` yet must take part; a param with no grad on
+        any rank is skipped everywhere, as ``TensorParallelMuon`` skips it.
+        """
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        if self.num_ranks > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            stats.num_collectives += 1
+        return [bool(f) for f in flags.tolist()]
+
+    def run(
+        self,
+        active: Sequence[bool],
+        prepare: PrepareT,
+        compute: NSRunner,
+        finalize: FinalizeT,
+        stats: StepStats,
+    ) -> None:
+        """One step over the buckets' matrices with ``active[m]`` (a grad on some rank).
+
+        Collective over ``group`` (and the split blocks' groups).
+        """
+        buckets = [tuple(m for m in bucket if active[m]) for bucket in self.plan.buckets]
+        buckets = [bucket for bucket in buckets if bucket]
+        rows = [[prepare(self.plan.matrices[m]) for m in bucket] for bucket in buckets]
+        if self.num_ranks == 1:
+            for bucket, local in zip(buckets, rows, strict=True):
+                stats.note_held(local)
+                self._finalize(bucket, compute.whole(self._plans(bucket), local), finalize)
+        elif self.mode == "gather":
+            for bucket, local in zip(buckets, rows, strict=True):
+                self._gather(bucket, local, compute, finalize, stats)
+        else:
+            self._owner_pipeline(buckets, rows, compute, finalize, stats)
+
+    def _plans(self, bucket: Sequence[int]) -> list[MatrixPlan]:
+        return [self.plan.matrices[m] for m in bucket]
+
+    def _finalize(
+        self, bucket: Sequence[int], results: Sequence[torch.Tensor], finalize: FinalizeT
+    ) -> None:
+        for plan, result in zip(self._plans(bucket), results, strict=True):
+            finalize(plan, result)
+
+    def _gather(self, bucket, local, compute: NSRunner, finalize: FinalizeT, stats) -> None:
+        exchange = self._exchanges.get(bucket)
+        if exchange is None:
+            layouts = [plan.matrix.layout for plan in self._plans(bucket)]
+            exchange = GatherExchange(layouts, self.rank, self.group, local[0].device)
+            self._exchanges[bucket] = exchange
+        assert isinstance(exchange, GatherExchange)
+        full = exchange.gather(local, stats)
+        stats.note_held(full)
+        results = compute.whole(self._plans(bucket), full)
+        mine = [exchange.local_rows_of(r, m).clone() for m, r in enumerate(results)]
+        self._finalize(bucket, mine, finalize)
+
+    def _owner_exchange(self, bucket: tuple[int, ...], device: torch.device) -> OwnerExchange:
+        exchange = self._exchanges.get(bucket)
+        if exchange is None:
+            plans = self._plans(bucket)
+            exchange = OwnerExchange(
+                [plan.matrix.layout for plan in plans],
+                [plan.work for plan in plans],
+                list(bucket),
+                self.rank,
+                self.group,
+                device,
+            )
+            self._exchanges[bucket] = exchange
+        assert isinstance(exchange, OwnerExchange)
+        return exchange
+
+    def _owner_pipeline(self, buckets, rows, compute: NSRunner, finalize, stats) -> None:
+        """Owner-compute over buckets, communication overlapped with NS (module docstring)."""
+        exchanges = [
+            self._owner_exchange(bucket, local[0].device)
+            for bucket, local in zip(buckets, rows, strict=True)
+        ]
+        if not exchanges:
+            return
+        incoming = exchanges[0].start_gather_to_owners(rows[0], stats)
+        outgoing = []
+        for k, exchange in enumerate(exchanges):
+            blocks = exchange.finish(incoming)
+            if k + 1 < len(exchanges):
+                incoming = exchanges[k + 1].start_gather_to_owners(rows[k + 1], stats)
+            stats.note_held(list(blocks.values()))
+            results = self._compute_blocks(self._plans(buckets[k]), blocks, compute)
+            outgoing.append(exchange.start_scatter_from_owners(results, stats))
+        for bucket, exchange, pending in zip(buckets, exchanges, outgoing, strict=True):
+            self._finalize(bucket, exchange.finish(pending), finalize)
+
+    def _compute_blocks(
+        self,
+        plans: Sequence[MatrixPlan],
+        blocks: dict[tuple[int, int], torch.Tensor],
+        compute: NSRunner,
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Results of this rank's work blocks ``(bucket position, block)``: whole matrices
+        batched, then the blocks of split matrices in order."""
+        whole = [key for key in sorted(blocks) if plans[key[0]].split_size == 1]
+        outputs = compute.whole([plans[m] for m, _ in whole], [blocks[key] for key in whole])
+        results = dict(zip(whole, outputs, strict=True))
+        for key in sorted(set(blocks) - set(whole)):
+            m, part = key
+            group = self.split_groups[plans[m].ranks]
+            results[key] = compute.split_block(plans[m], blocks[key], group, part)
+        return results
+
+
+def create_split_groups(
+    plan: StepPlan, group: dist.ProcessGroup | None
+) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A process group per rank block that splits a matrix's NS and includes this rank, keyed
+    ``(first group rank, size)``.
+
+    Created in one global order on every member, with local synchronization so ranks outside a
+    block (and other data-parallel groups) need not take part.
+
+    Raises:
+        ValueError: the data-parallel ranks of a block are not in increasing global order.
+    """
+    # One global creation order (largest blocks first) on every rank: with local
+    # synchronization, creating a block before a larger block containing it deadlocks gloo.
+    blocks = sorted(
+        {m.ranks for m in plan.matrices if m.split_size > 1},
+        key=lambda block: (-block[1], block[0]),
+    )
+    if not blocks:
+        return {}
+    my_rank = dist.get_rank(group)
+    global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    groups = {}
+    for first, size in blocks:
+        if not first <= my_rank < first + size:
+            continue
+        members = [global_ranks[r] for r in range(first, first + size)]
+        if members != sorted(members):
+            raise ValueError("split NS needs data-parallel ranks in increasing global order")
+        groups[(first, size)] = dist.new_group(members, use_local_synchronization=True)
+    return groups

@@ -1,0 +1,204 @@
+"""The static plan of a Muon step: one record per 2-D matrix, built once by a pure function.
+
+Everything about the optimizer's 2-D matrices that does not change between steps: what each is
+(``NSMatrix``: its param, row layout over the data-parallel group, QKV split, whether its NS needs
+tensor-parallel collectives) and what the plan decides for it (``MatrixPlan``: its NS cost and its
+work blocks, i.e. which data-parallel ranks orthogonalize which rectangle of it), plus the exchange
+buckets. ``plan_step`` computes it from shapes and the NS config alone, with no process group and
+no tensor, so every rank (and every tensor-parallel rank of the same matrices) gets the identical
+plan without communicating; ``ShardedMuon`` runs it, and the plan tool
+(``python -m megatron_muon.plan``) calls the same function to predict a step's figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_muon.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
+from megatron_muon.newton_schulz import NSConfig
+from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.qkv import qkv_pieces
+
+if TYPE_CHECKING:
+    from megatron_muon.layout import RowLayout
+
+__all__ = ["MatrixPlan", "NSMatrix", "StepPlan", "WorkBlock", "bucket_by_bytes", "plan_step"]
+
+_EXCHANGE_BYTES = 4  # the exchange moves fp32 rows
+
+
+@dataclass(frozen=True, slots=True)
+class WorkBlock:
+    """The rectangle of a 2-D matrix one rank orthogonalizes (or its whole matrix).
+
+    A matrix with one owner has one block covering it; a matrix whose NS is split over ``g`` ranks
+    has ``g`` blocks along its long dim (``split_newton_schulz``).
+    """
+
+    rank: int  # group rank that receives this block and computes on it
+    row_start: int
+    row_stop: int
+    col_start: int
+    col_stop: int
+
+    @staticmethod
+    def whole(rank: int, layout: RowLayout) -> WorkBlock:
+        """The whole matrix of ``layout``, on ``rank`` (columns: the first row dim)."""
+        return WorkBlock(rank, 0, layout.num_rows, 0, layout.row_shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class NSMatrix:
+    """A 2-D param as Newton-Schulz sees it.
+
+    Attributes:
+        param: position of the param in the optimizer's param order.
+        layout: rows of its matrix (tensor-parallel-local, data-parallel-full; ``(rows, cols)``)
+            held by each data-parallel rank.
+        qkv_split_shapes: Q, K and V rows per query group when its NS runs on them apart
+            (``qkv``); ``()`` otherwise.
+        tp_collectives: its NS runs through ``TensorParallelMuon.orthogonalize``, whose
+            tensor-parallel collectives need the whole matrix on one rank (never split).
+    """
+
+    param: int
+    layout: RowLayout
+    qkv_split_shapes: tuple[int, ...] = ()
+    tp_collectives: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the matrix."""
+        return self.layout.num_rows, self.layout.row_shape[0]
+
+    @property
+    def pieces(self) -> tuple[tuple[int, int], ...]:
+        """``(rows, cols)`` of each matrix NS runs on: Q, K and V under QKV split, else itself."""
+        return qkv_pieces(*self.shape, self.qkv_split_shapes)
+
+
+@dataclass(frozen=True, slots=True)
+class MatrixPlan:
+    """One matrix and what the plan decides for it.
+
+    Attributes:
+        matrix: what the matrix is.
+        cost: NS FLOPs of the whole matrix (summed over its pieces), the planner's load.
+        work: the rectangle each computing rank orthogonalizes: one block (the owner's whole
+            matrix), or one block per rank of an aligned block of ranks sharing its NS.
+    """
+
+    matrix: NSMatrix
+    cost: int
+    work: tuple[WorkBlock, ...]
+
+    @property
+    def split_size(self) -> int:
+        """How many ranks share this matrix's NS (1: a single owner)."""
+        return len(self.work)
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """``(first rank, number of ranks)`` of the ranks that orthogonalize this matrix."""
+        return self.work[0].rank, len(self.work)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The static plan of one optimizer's 2-D matrices over one data-parallel group.
+
+    Attributes:
+        matrices: one record per 2-D matrix, in param order.
+        owner_plan: the owners and each rank's NS load (``planner``).
+        buckets: positions into ``matrices`` of the matrices exchanged together: consecutive,
+            their full fp32 bytes within the bucket bound.
+    """
+
+    matrices: tuple[MatrixPlan, ...]
+    owner_plan: OwnerPlan
+    buckets: tuple[tuple[int, ...], ...]
+
+
+def plan_step(
+    matrices: Sequence[NSMatrix],
+    group_size: int,
+    ns_config: NSConfig,
+    *,
+    bucket_size_bytes: int | None = None,
+    min_split_flops: int = 10**11,
+    max_split: int = 16,
+    flops_per_byte: float = 0.0,
+    element_bytes: int = 2,
+) -> StepPlan:
+    """The plan of ``matrices`` over a data-parallel group of ``group_size`` ranks. Pure.
+
+    Each matrix's cost is its NS FLOPs under ``ns_config`` (the NS-method registry). Where the
+    method is splittable (``NSConfig.splittable``), ``planner.plan_split_owners`` may split the NS
+    of matrices costing at least ``min_split_flops`` (and without tensor-parallel collectives) over
+    up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte`` (``element_bytes`` per
+    element); otherwise ``planner.plan_owners`` gives each matrix one owner.
+
+    Args:
+        bucket_size_bytes: bound on the full fp32 bytes of the matrices of one exchange bucket;
+            ``None``: one bucket.
+    """
+    costs = [pieces_flops(m.pieces, ns_config) for m in matrices]
+    if ns_config.splittable and max_split > 1:
+        owner_plan = plan_split_owners(
+            costs,
+            group_size,
+            [None if m.tp_collectives else m.pieces for m in matrices],
+            ns_config.num_ns_steps,
+            max_split=max_split,
+            min_split_cost=min_split_flops,
+            flops_per_byte=flops_per_byte,
+            element_bytes=element_bytes,
+        )
+    else:
+        owner_plan = plan_owners(costs, group_size)
+    records = tuple(
+        MatrixPlan(matrix, cost, _work_blocks(owner_plan, m, matrix))
+        for m, (matrix, cost) in enumerate(zip(matrices, costs, strict=True))
+    )
+    sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in matrices]
+    buckets = tuple(tuple(b) for b in bucket_by_bytes(sizes, bucket_size_bytes))
+    return StepPlan(records, owner_plan, buckets)
+
+
+def bucket_by_bytes(sizes: Sequence[int], bound: int | None) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` grouped so that each group's sum stays within ``bound``
+    (a single larger item makes a group of its own); ``None``: one group of all."""
+    if bound is None:
+        return [list(range(len(sizes)))] if sizes else []
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index, size in enumerate(sizes):
+        if current and current_bytes + size > bound:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _work_blocks(plan: OwnerPlan, m: int, matrix: NSMatrix) -> tuple[WorkBlock, ...]:
+    """Matrix ``m``'s work: the whole matrix on its owner, or blocks along its split dim."""
+    size = plan.split_size(m)
+    if size == 1:
+        return (WorkBlock.whole(plan.owners[m], matrix.layout),)
+    rows, cols = matrix.shape
+    members = list(plan.members(m))
+    if split_dim_of_pieces(matrix.pieces) == 0:
+        return tuple(
+            WorkBlock(rank, start, stop, 0, cols)
+            for rank, (start, stop) in zip(members, split_bounds(rows, size), strict=True)
+        )
+    return tuple(
+        WorkBlock(rank, 0, rows, start, stop)
+        for rank, (start, stop) in zip(members, split_bounds(cols, size), strict=True)
+    )
