@@ -76,6 +76,6 @@ def test_bad_config_values_are_refused_by_name():
     from megatron_muon.config import MuonFsdpConfig
 
     with pytest.raises(ValueError, match="'float32'"):
-        MuonFsdpConfig(gram_half_dtype="float32")  # type: ignore[arg-type]
+        MuonFsdpConfig(gram_half_dtype="float32")  # type: ignore[arg-type]  # a bad value on purpose
     with pytest.raises(ValueError, match="0.0"):
         MuonFsdpConfig(qk_clip_threshold=0.0)
