@@ -6,7 +6,7 @@ around the tiny GPTModel (QKV split over GQA query groups), ``build_muon_optimiz
 TP > 1 needs sequence parallelism, which the CPU-only local spec lacks). One launch trains every
 case at TP x DP2 (4 ranks), one at TP x DP1 (2 ranks), for each tp_mode.
 
-Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured 2026-11-22:
+Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured on the pinned stack:
 
 - Against megatron-core's ``TensorParallelMuon`` + AdamW on the unsplit weights, fed the run's own
   reduced gradients: AdamW params <= 1.1e-7 relative, Muon params <= 5.4e-6: the router weight
