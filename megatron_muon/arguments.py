@@ -165,9 +165,10 @@ def check_muon_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: the first flag whose value is refused.
     """
-    steps = getattr(args, "muon_num_ns_steps", 5)
-    method = getattr(args, "muon_ns_method", "standard")
-    half = getattr(args, "muon_gram_half_dtype", "float16")
+    # Unchecked flag values (Any): the configs below check them.
+    steps: Any = getattr(args, "muon_num_ns_steps", 5)
+    method: Any = getattr(args, "muon_ns_method", "standard")
+    half: Any = getattr(args, "muon_gram_half_dtype", "float16")
     # The NS flags first: MuonConfig checks its NS fields too, and would name --muon-momentum.
     checks = [
         ("--muon-num-ns-steps", "muon_num_ns_steps", lambda v: NSConfig(num_ns_steps=v)),

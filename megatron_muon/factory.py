@@ -132,7 +132,7 @@ def build_muon_optimizer(
             sharded over, ``stop_on_nonfinite_grad_norm`` without ``ckpt_format="fsdp_dtensor"``.
         TypeError: a model chunk not wrapped by Megatron-FSDP.
     """
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     _check_config(config)
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)

@@ -106,7 +106,8 @@ def gram_newton_schulz(
     transpose = x.size(-2) > x.size(-1)
     if transpose:
         x = x.mT
-    x = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=eps)  # type: ignore[arg-type]
+    # torch's stub types normalize's dim as int; it takes a tuple of dims (the Frobenius norm here).
+    x = torch.nn.functional.normalize(x, p=2, dim=(-2, -1), eps=eps)  # type: ignore[arg-type]  # see above
     x = x.to(compute_dtype)
 
     restart_set = set(restarts)
@@ -115,7 +116,8 @@ def gram_newton_schulz(
     q: torch.Tensor | None = None
     for step, (a, b, c) in enumerate(coefficients):
         if step in restart_set:
-            x = q @ x  # type: ignore[operator]
+            assert q is not None  # restarts are >= 1 (check_restarts): step 0 set q
+            x = q @ x
             gram = x @ x.mT
             q = None
         z = _addmm(gram, gram, gram, beta=b, alpha=c)  # b R + c R^2
@@ -127,7 +129,8 @@ def gram_newton_schulz(
         if step != last and step + 1 not in restart_set:
             rz = _addmm(gram, gram, z, beta=a, alpha=1.0)  # (a I + Z) R
             gram = _addmm(rz, z, rz, beta=a, alpha=1.0)  # (a I + Z) R (a I + Z)
-    x = (q @ x).to(torch.float32)  # type: ignore[operator]
+    assert q is not None  # coefficients is not empty (NSConfig: num_ns_steps >= 1)
+    x = (q @ x).to(torch.float32)
     return x.mT if transpose else x
 
 

@@ -35,7 +35,7 @@ dtypes: docs/newton_schulz.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, cycle, islice, repeat
 from typing import Literal, get_args
@@ -241,11 +241,12 @@ def coefficient_schedule(
         sets = list(_COEFFICIENT_SETS[coefficient_type])
     else:
         raise ValueError(f"unknown coefficient_type {coefficient_type!r}")
+    endless: Iterator[tuple[float, ...]]
     if coefficient_type in _REPEAT_LAST_TYPES:
         endless = chain(sets, repeat(sets[-1]))
     else:
         endless = cycle(sets)
-    return list(islice(endless, num_steps))  # type: ignore[arg-type]
+    return [(a, b, c) for a, b, c in islice(endless, num_steps)]
 
 
 def ns_flops(
@@ -260,7 +261,8 @@ def ns_flops(
     Args:
         gram_restarts: Gram only; ``None`` means ``default_gram_restarts(num_ns_steps)`` (fp16).
     """
-    config = NSConfig(num_ns_steps=num_ns_steps, ns_method=ns_method, gram_restarts=gram_restarts)
+    restarts = None if gram_restarts is None else tuple(gram_restarts)
+    config = NSConfig(num_ns_steps=num_ns_steps, ns_method=ns_method, gram_restarts=restarts)
     return config.flops(rows, cols)
 
 

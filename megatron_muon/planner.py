@@ -163,13 +163,14 @@ def plan_split_owners(
         raise ValueError(f"num_targets must be at least 1, got {num_targets}")
     best = plan_owners(costs, group_size)
     sizes = [g for g in (2**e for e in range(1, 31)) if g <= min(max_split, group_size)]
-    splittable = [
-        i
+    pieces_of = {
+        i: pieces
         for i, pieces in enumerate(split_pieces)
         if pieces is not None
         and costs[i] >= max(min_split_cost, 1)
         and split_dim_of_pieces(pieces) is not None
-    ]
+    }
+    splittable = list(pieces_of)
     if not sizes or not splittable or best.max_over_mean <= tolerance:
         return best
 
@@ -180,7 +181,7 @@ def plan_split_owners(
     shares: dict[int, list[tuple[int, ...]]] = {}
     weighted: dict[int, list[tuple[int, ...]]] = {}
     for i in splittable:
-        key = tuple(tuple(piece) for piece in split_pieces[i])  # type: ignore[union-attr]
+        key = tuple((rows, cols) for rows, cols in pieces_of[i])
         if key not in table:
             flops = [(costs[i],)] + [
                 tuple(split_pieces_flops(key, num_ns_steps, g, j) for j in range(g)) for g in sizes
@@ -202,10 +203,7 @@ def plan_split_owners(
     unsplit_makespan = max(best.loads)
     if lower >= unsplit_makespan:
         return best
-    volume = {
-        i: sum(min(piece) ** 2 for piece in split_pieces[i])  # type: ignore[union-attr]
-        for i in splittable
-    }
+    volume = {i: sum(min(piece) ** 2 for piece in pieces_of[i]) for i in splittable}
     largest = {i: [max(share) for share in weighted[i]] for i in splittable}
     candidates = [(best, max(best.loads), 0)]
     tried: set[tuple[int, ...]] = set()

@@ -128,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     log = RunLog()
     megatron_lm_progress.install(log)  # the progress line and the run log
-    datasets_provider.is_distributed = True  # type: ignore[attr-defined]
+    # Megatron's pretrain() reads this flag off the provider function (as pretrain_gpt.py sets it);
+    # mypy does not model attributes set on a function.
+    datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # see above
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     try:
         pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)

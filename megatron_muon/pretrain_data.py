@@ -152,5 +152,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple:
 def forward_step(data_iterator: Any, model: Any) -> tuple:
     """One micro-batch forward; Megatron's schedule reduces the returned loss."""
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    assert loss_mask is not None  # only attention_mask may be None (get_batch)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)

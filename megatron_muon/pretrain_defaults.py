@@ -94,7 +94,7 @@ def default_flags(
     """
     optional = [*([] if has_gpu else CPU_FLAGS), *BYTE_DATA_FLAGS]
     dests = {option[0]: parser._option_string_actions[option[0]].dest for option in optional}
-    run_dests = ("use_megatron_fsdp", "ckpt_format", "max_position_embeddings")
+    run_dests: tuple[str, ...] = ("use_megatron_fsdp", "ckpt_format", "max_position_embeddings")
     run_dests += ("eval_interval", "eval_iters", "log_interval", "save_interval")
     parser.set_defaults(**{dest: _UNSET for dest in [*dests.values(), *run_dests]})
     given, _ = parser.parse_known_args(list(flags))

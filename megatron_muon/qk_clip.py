@@ -334,9 +334,10 @@ def _records_max_logits(core_attention: torch.nn.Module) -> bool:
         return False
     if not isinstance(TEDotProductAttention, type):  # None without Transformer Engine
         return False
-    return isinstance(core_attention, TEDotProductAttention) and bool(
-        core_attention.config.qk_clip or core_attention.config.log_max_attention_logit
-    )
+    if not isinstance(core_attention, TEDotProductAttention):
+        return False
+    config: Any = core_attention.config  # megatron-core's TransformerConfig
+    return bool(config.qk_clip or config.log_max_attention_logit)
 
 
 def _softmax_scale(attention: SelfAttention) -> float:

@@ -102,7 +102,7 @@ def route_params(
 
 
 def _named_optimizer_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    named = []
+    named: list[tuple[str, torch.Tensor]] = []
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -156,6 +156,13 @@ def is_qkv(param: torch.Tensor) -> bool:
     return bool(_attr(param, "is_qkv", False))
 
 
+def _tag(param: torch.Tensor, **tags: Any) -> None:
+    """Sets megatron-core's param tags: plain attributes on the tensor, as megatron-core sets them
+    (torch's type stubs declare no such attributes, hence ``setattr``)."""
+    for name, value in tags.items():
+        setattr(param, name, value)
+
+
 def _transformer_config(chunk: torch.nn.Module) -> TransformerConfig | None:
     module: Any = chunk
     while module is not None:
@@ -181,17 +188,16 @@ def _tag_params(
     for name, param in named:
         orig = _orig(param)
         if orig is not param and hasattr(orig, "allreduce") and not hasattr(param, "allreduce"):
-            param.allreduce = orig.allreduce
+            _tag(param, allreduce=orig.allreduce)
         if "experts" in name and "shared" not in name:
-            param.expert_tp = True
+            _tag(param, expert_tp=True)
         if "linear_qkv.weight" in name and param.ndim == 2:
             config = _transformer_config(owner[id(param)])
             if config is None:
                 continue
             split = _get_qkv_split_shapes(config)
             if param.shape[0] % sum(split) == 0:
-                param.is_qkv = True
-                param.qkv_split_shapes = split
+                _tag(param, is_qkv=True, qkv_split_shapes=split)
                 shapes = shapes or split
     return shapes
 

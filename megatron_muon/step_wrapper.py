@@ -183,15 +183,15 @@ class FsdpStepWrapper(MegatronOptimizer):
         return self.inner.chained_optimizers
 
     @property
-    def is_stub_optimizer(self) -> bool:  # type: ignore[override]
+    def is_stub_optimizer(self) -> bool:
         return self.inner.is_stub_optimizer
 
     @property
-    def param_groups(self) -> list[dict]:  # type: ignore[override]
+    def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.inner.state
 
     @property

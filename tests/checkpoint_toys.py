@@ -63,30 +63,6 @@ class ToyMoE(torch.nn.Module):
         return torch.einsum("be,bed->bd", weights, outputs)
 
 
-def _hsdp_wrap(module: torch.nn.Module, outer: str):
-    """megatron_fsdp HSDP on 4 ranks: a (2 outer x 2 fsdp) mesh, inner optim_grads_params; outer
-    ``optim`` shards rows over both dims (``(Shard(0), Shard(0))``), rank order unlike row order.
-    Returns the wrapped module and the 4-rank group the rows are sharded over."""
-    import megatron_fsdp
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("outer", "fsdp", "tp"))
-    hsdp_group = mesh["outer", "fsdp"]._flatten("hsdp").get_group()
-    wrapped = megatron_fsdp.fully_shard_model(
-        module,
-        device_mesh=mesh,
-        dp_shard_dim="fsdp",
-        dp_outer_dim="outer",
-        tp_dim="tp",
-        hybrid_fsdp_group=hsdp_group,
-        device=torch.device("cpu"),
-        zero_dp_strategy="optim_grads_params",
-        outer_dp_sharding_strategy=outer,
-        fsdp_unit_modules=[torch.nn.Linear],
-    )
-    return wrapped, hsdp_group
-
-
 def _build(
     world_size: int,
     strategy: str,
@@ -102,7 +78,7 @@ def _build(
     """
     from megatron_muon import ShardedMuon
     from megatron_muon.checkpointing import ensure_optimizer_state, named_optimizer_params
-    from tests.fsdp_models import ToyMLP, fully_shard_toy
+    from tests.fsdp_models import ToyMLP, fully_shard_toy, hsdp_shard_toy
 
     torch.manual_seed(seed)
     module = ToyMoE() if moe else ToyMLP(dim=DIM, hidden=hidden)
@@ -111,7 +87,7 @@ def _build(
         module = module.to(torch.bfloat16)
         strategy = strategy.removesuffix("_bf16")
     if strategy.startswith("hsdp_"):
-        wrapped, dp_group = _hsdp_wrap(module, outer=strategy.removeprefix("hsdp_"))
+        wrapped, dp_group = hsdp_shard_toy(module, outer=strategy.removeprefix("hsdp_"))
     else:
         wrapped = fully_shard_toy(module, world_size, strategy)
     named = named_optimizer_params(wrapped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -36,3 +37,27 @@ def fully_shard_toy(model: nn.Module, world_size: int, strategy: str) -> nn.Modu
         zero_dp_strategy=strategy,
         **kwargs,
     )
+
+
+def hsdp_shard_toy(module: nn.Module, outer: str) -> tuple[nn.Module, dist.ProcessGroup]:
+    """megatron_fsdp HSDP on 4 ranks: a (2 outer x 2 fsdp) mesh, inner optim_grads_params; outer
+    ``optim`` shards rows over both dims (``(Shard(0), Shard(0))``), rank order unlike row order.
+    Returns the wrapped module and the 4-rank group the rows are sharded over."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("outer", "fsdp", "tp"))
+    hsdp_group = mesh["outer", "fsdp"]._flatten("hsdp").get_group()
+    wrapped = megatron_fsdp.fully_shard_model(
+        module,
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        dp_outer_dim="outer",
+        tp_dim="tp",
+        hybrid_fsdp_group=hsdp_group,
+        device=torch.device("cpu"),
+        zero_dp_strategy="optim_grads_params",
+        outer_dp_sharding_strategy=outer,
+        fsdp_unit_modules=[nn.Linear],
+    )
+    return wrapped, hsdp_group

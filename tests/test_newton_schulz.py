@@ -93,7 +93,7 @@ def _sv_deviation(result: torch.Tensor, reference: torch.Tensor) -> float:
 
 def _schedule(coefficient_type: str, steps: int) -> list[tuple[float, float, float]]:
     custom = CUSTOM if coefficient_type == "custom" else None
-    return coefficient_schedule(steps, coefficient_type, custom)  # type: ignore[arg-type]
+    return coefficient_schedule(steps, coefficient_type, custom)
 
 
 @pytest.mark.parametrize("steps", [3, 5, 12])
@@ -129,7 +129,7 @@ def test_gram_matches_standard_fp32(
     schedule = _schedule(coefficient_type, steps)
     config = NSConfig(
         num_ns_steps=steps,
-        coefficient_type=coefficient_type,  # type: ignore[arg-type]
+        coefficient_type=coefficient_type,
         custom_coefficient_sets=CUSTOM if coefficient_type == "custom" else None,
         ns_method="gram",
     )
@@ -228,14 +228,14 @@ def test_half_precision_gram_with_restarts_is_as_accurate_as_bf16_standard(
     configs = {
         half: NSConfig(
             num_ns_steps=steps,
-            coefficient_type=coefficient_type,  # type: ignore[arg-type]
+            coefficient_type=coefficient_type,
             ns_method="gram",
-            gram_half_dtype=half,  # type: ignore[arg-type]
+            gram_half_dtype=half,
         )
         for half in ("float16", "bfloat16")
     }
     torch.set_float32_matmul_precision("medium")
-    bf16_standard = _sv_deviation(newton_schulz(x, steps, coefficient_type), reference)  # type: ignore[arg-type]
+    bf16_standard = _sv_deviation(newton_schulz(x, steps, coefficient_type), reference)
     fp16_gram = _sv_deviation(orthogonalize(x, configs["float16"]), reference)
     bf16_gram = _sv_deviation(orthogonalize(x, configs["bfloat16"]), reference)
     print(
@@ -253,7 +253,7 @@ def test_medium_precision_selects_the_gram_half_dtype() -> None:
     x = torch.randn(32, 160, generator=torch.Generator().manual_seed(10))
     schedule = _schedule("quintic", 5)
     for half, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
-        config = NSConfig(ns_method="gram", gram_half_dtype=half)  # type: ignore[arg-type]
+        config = NSConfig(ns_method="gram", gram_half_dtype=half)
         explicit = gram_newton_schulz(x, schedule, config.restarts(), compute_dtype=dtype)
         torch.set_float32_matmul_precision("medium")
         torch.testing.assert_close(orthogonalize(x, config), explicit, atol=0, rtol=0)
@@ -314,7 +314,7 @@ def test_ns_flops_counts_the_matmuls_performed(
     batch = shape[0] if len(shape) == 3 else 1
     rows, cols = shape[-2], shape[-1]
     for method in ("standard", "gram"):
-        config = NSConfig(num_ns_steps=5, ns_method=method, gram_restarts=restarts)  # type: ignore[arg-type]
+        config = NSConfig(num_ns_steps=5, ns_method=method, gram_restarts=restarts)
         with FlopCounterMode(display=False) as counter:
             orthogonalize(x, config)
         assert counter.get_total_flops() == batch * config.flops(rows, cols), (method, restarts)
@@ -352,7 +352,7 @@ def test_gram_flops_savings_by_aspect_ratio() -> None:
 )
 def test_config_rejects_bad_values(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        NSConfig(**kwargs)  # type: ignore[arg-type]
+        NSConfig(**kwargs)  # type: ignore[arg-type]  # bad values on purpose
 
 
 def test_default_gram_restarts() -> None:
@@ -370,8 +370,8 @@ def test_config_from_lists_is_hashable() -> None:
     """Lists from YAML / argparse are stored as tuples (the config is frozen and hashable)."""
     config = NSConfig(
         coefficient_type="custom",
-        custom_coefficient_sets=[[3.0, -3.2, 1.2]],  # type: ignore[arg-type]
-        gram_restarts=[2],  # type: ignore[arg-type]
+        custom_coefficient_sets=[[3.0, -3.2, 1.2]],  # type: ignore[arg-type]  # lists on purpose (as YAML gives them)
+        gram_restarts=[2],  # type: ignore[arg-type]  # a list on purpose
     )
     assert config.custom_coefficient_sets == ((3.0, -3.2, 1.2),)
     assert config.gram_restarts == (2,)

@@ -39,6 +39,30 @@ def _row_shard(full: torch.Tensor, rows: slice, mesh, placements):
     )
 
 
+def _sharded_and_full(fulls, splits, position: int, mesh, placements):
+    """Param i as this rank's rows ``_rows(splits[i], position)`` of a row-sharded DTensor, the
+    full-tensor reference params, and ``grad_rows`` for ``_step_both`` (None where no rows)."""
+
+    def dtensor(i: int, full: torch.Tensor):
+        return _row_shard(full, _rows(splits[i], position), mesh, placements)
+
+    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+
+    def grad_rows(i: int, grad: torch.Tensor):
+        return None if splits[i][position] == 0 else dtensor(i, grad)
+
+    return params, reference_params, grad_rows
+
+
+def _row_errors(params, reference_params, splits, position: int) -> list[float]:
+    """Each param's local rows against the same rows of its reference, relative to the full norm."""
+    return [
+        _relative(p.to_local(), ref.detach()[_rows(splits[i], position)], ref.detach())
+        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
+    ]
+
+
 def _step_both(params, reference_params, optimizer, reference, grad_rows, steps: int) -> None:
     """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
     for step in range(steps):
@@ -58,7 +82,7 @@ def _step_both(params, reference_params, optimizer, reference, grad_rows, steps:
 def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from megatron_muon import ShardedMuon
 
@@ -68,28 +92,13 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     splits = [[20, 28], [16, 0], [3, 30]]
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    def rows_of(i: int) -> slice:
-        return _rows(splits[i], inner)
-
-    def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return _row_shard(full, rows_of(i), mesh, [Replicate(), Shard(0)])
-
-    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    params, reference_params, grad_rows = _sharded_and_full(
+        fulls, splits, inner, mesh, [Replicate(), Shard(0)]
+    )
     optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(
-        params,
-        reference_params,
-        optimizer,
-        reference,
-        lambda i, g: None if splits[i][inner] == 0 else dtensor(i, g),
-        steps=3,
-    )
-    error = max(
-        _relative(p.to_local(), ref.detach()[rows_of(i)], ref.detach())
-        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
-    )
+    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
+    error = max(_row_errors(params, reference_params, splits, inner))
     return {"error": error, "locals": [p.to_local().detach().clone() for p in params]}
 
 
@@ -199,7 +208,7 @@ def test_tp2_dp2_with_qkv_split_matches_unsharded_muon(tp_mode, mode):
 def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     from megatron_muon import ShardedMuon
 
@@ -209,30 +218,11 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     splits = [[2, 0, 3], [1, 3, 0], [9, 9, 6]]
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    def rows(i: int) -> slice:
-        return _rows(splits[i], rank)
-
-    def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return _row_shard(full, rows(i), mesh, [Shard(0)])
-
-    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(
-        params,
-        reference_params,
-        optimizer,
-        reference,
-        lambda i, g: None if splits[i][rank] == 0 else dtensor(i, g),
-        steps=3,
-    )
-    return {
-        "errors": [
-            _relative(p.to_local(), ref.detach()[rows(i)], ref.detach())
-            for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
-        ]
-    }
+    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
+    return {"errors": _row_errors(params, reference_params, splits, rank)}
 
 
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -281,32 +271,17 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
 
 
 def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
-    import megatron_fsdp
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from megatron_muon import ShardedMuon
-    from tests.fsdp_models import ToyMLP
+    from tests.fsdp_models import ToyMLP, hsdp_shard_toy
 
     torch.manual_seed(0)
     model = ToyMLP(dim=24, hidden=40)
     fulls = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 2}
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("outer", "fsdp", "tp"))
-    hsdp_group = mesh["outer", "fsdp"]._flatten("hsdp").get_group()
-    wrapped = megatron_fsdp.fully_shard_model(
-        model,
-        device_mesh=mesh,
-        dp_shard_dim="fsdp",
-        dp_outer_dim="outer",
-        tp_dim="tp",
-        hybrid_fsdp_group=hsdp_group,
-        device=torch.device("cpu"),
-        zero_dp_strategy="optim_grads_params",
-        outer_dp_sharding_strategy=outer,
-        fsdp_unit_modules=[torch.nn.Linear],
-    )
+    wrapped, hsdp_group = hsdp_shard_toy(model, outer)
     named = [(n, p) for n, p in wrapped.named_parameters() if p.ndim == 2]
     params = [p for _, p in named]
     # Row offsets from megatron_fsdp's own chunk metadata: independent of megatron_muon.layout.
@@ -362,7 +337,7 @@ SPLIT_CASES = {
 def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     from megatron_muon import ShardedMuon
 
@@ -371,14 +346,7 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     splits = [[r // 2, 0, r - r // 2 - r // 4, r // 4] for r, _ in shapes]  # uneven, one empty
     fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    def rows(i: int) -> slice:
-        return _rows(splits[i], rank)
-
-    def dtensor(i: int, full: torch.Tensor) -> DTensor:
-        return _row_shard(full, rows(i), mesh, [Shard(0)])
-
-    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     kwargs = dict(MUON_KWARGS)
     if qkv_split is not None:
         params[0].is_qkv = reference_params[0].is_qkv = True
@@ -389,21 +357,11 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
         )
     optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
     reference = TensorParallelMuon(reference_params, **kwargs)
-    _step_both(
-        params,
-        reference_params,
-        optimizer,
-        reference,
-        lambda i, g: None if splits[i][rank] == 0 else dtensor(i, g),
-        steps=2,
-    )
+    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
     plan = optimizer.owner_plan()
     return {
         "split_sizes": plan.split_sizes,
-        "errors": [
-            _relative(p.to_local(), ref.detach()[rows(i)], ref.detach())
-            for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
-        ],
+        "errors": _row_errors(params, reference_params, splits, rank),
         "flops": optimizer.step_stats.ns_flops,
     }
 

@@ -6,7 +6,7 @@ around the tiny GPTModel (QKV split over GQA query groups), ``build_muon_optimiz
 TP > 1 needs sequence parallelism, which the CPU-only local spec lacks). One launch trains every
 case at TP x DP2 (4 ranks), one at TP x DP1 (2 ranks), for each tp_mode.
 
-Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured 2026-11-22:
+Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured on the pinned stack:
 
 - Against megatron-core's ``TensorParallelMuon`` + AdamW on the unsplit weights, fed the run's own
   reduced gradients: AdamW params <= 1.1e-7 relative, Muon params <= 5.4e-6: the router weight
@@ -44,7 +44,7 @@ CASE_IDS = [
     f"{'experts' if p.moe else 'dense'}-{mode}{'-qk-clip' if p.qk_clip_threshold else ''}"
     for p, mode in CASES
 ]
-REFERENCE_CASES = range(len(CASES) - 1)
+PARITY_CASES = range(len(CASES) - 1)
 
 MUON_TOLERANCE = 1e-5  # against the reference fed the same gradients
 ADAMW_TOLERANCE = 1e-6
@@ -80,7 +80,7 @@ def _final(per_rank: list[dict], name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world", ["dp2", "dp1"])
-@pytest.mark.parametrize("case", REFERENCE_CASES, ids=CASE_IDS[:-1])
+@pytest.mark.parametrize("case", PARITY_CASES, ids=CASE_IDS[:-1])
 def test_tensor_parallel_muon_matches_unsharded_tensor_parallel_muon(request, world, case):
     parallelism, tp_mode = CASES[case]
     per_rank = request.getfixturevalue(world)["runs"][case]

@@ -57,7 +57,7 @@ class Parallelism:
 
 DENSE_TP2 = Parallelism(tp=2, expert_tp=2, moe=False)
 EXPERT_TP2 = Parallelism(tp=1, expert_tp=2, moe=True)
-# Among the tiny GPT's per-head max logits (tests/test_issue8_features.py): some heads clipped.
+# Among the tiny GPT's per-head max logits (tests/test_factory_qk_clip.py): some heads clipped.
 DENSE_TP2_QK_CLIP = Parallelism(tp=2, expert_tp=2, moe=False, qk_clip_threshold=0.12)
 
 

@@ -139,7 +139,8 @@ def publish(path: str, manifest: dict[str, Any], overwrite: bool) -> None:
     Raises on every rank when a file DCP's metadata references is missing or the rename fails.
     """
     temporary = path + INCOMPLETE_SUFFIX
-    error, names = None, None
+    error: BaseException | None = None
+    names = None
     if dist.get_rank() == 0:
         try:
             names = _referenced_files(temporary)

@@ -62,7 +62,7 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     )
 
 
-def _emerging_optimizer_classes() -> tuple[type, type]:
+def _emerging_optimizer_classes() -> tuple[type[Any], type[Any]]:
     from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
     from emerging_optimizers.scalar_optimizers import Lion
 
@@ -177,7 +177,7 @@ def ensure_optimizer_state(optimizer: Any) -> None:
     for key, steps in stepped.items():
         device = collective_device(mesh_groups[key][0])
         values = torch.stack([s.detach().to(device, torch.float64) for s in steps])
-        for group in mesh_groups[key]:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        for process_group in mesh_groups[key]:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=process_group)
         for step, value in zip(steps, values.tolist(), strict=True):
             step.fill_(value)

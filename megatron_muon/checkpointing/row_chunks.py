@@ -87,8 +87,9 @@ def _attach_chunk(dtensor: DTensor, chunk: ChunkStorageMetadata) -> None:
     # one megatron_fsdp uses). ``to_local()`` of an ``nn.Parameter`` DTensor returns a fresh view,
     # so the attributes must go on ``_local_tensor`` itself.
     local = dtensor._local_tensor
-    local.__create_chunk_list__ = lambda: [chunk]
-    local.__create_write_items__ = write_items
+    # torch's stubs do not declare these hook attributes (set per tensor, read by getattr).
+    local.__create_chunk_list__ = lambda: [chunk]  # type: ignore[attr-defined]  # see above
+    local.__create_write_items__ = write_items  # type: ignore[attr-defined]  # see above
 
 
 @torch.no_grad()
@@ -106,8 +107,8 @@ def attach_row_chunks(
     """
     from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
 
-    names = [name for name, param in params if isinstance(param, DTensor)]
-    by_name = dict(params)
+    by_name = {name: param for name, param in params if isinstance(param, DTensor)}
+    names = list(by_name)
     chunks = {name: _local_row_chunk(by_name[name]) for name in names}
     known = torch.tensor(
         [chunks[n] is not None for n in names], dtype=torch.int32, device=collective_device(None)
@@ -117,6 +118,7 @@ def attach_row_chunks(
     for name, is_known in zip(names, known.tolist(), strict=True):
         param = by_name[name]
         chunk = chunks[name] if is_known else gather_and_compute_chunk_metadata(param)
+        assert chunk is not None, name  # known on every rank (the all_reduce above)
         _attach_chunk(param, chunk)
         for value in optimizer_state.get(name, {}).values():
             if not isinstance(value, DTensor):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["import_optional", "replace_once"]
+__all__ = ["import_optional", "replace_once", "set_stand_in"]
 
 # The attribute that marks a replacement, so that a second install() leaves it alone.
 MARK = "_cpu_stand_in"
@@ -19,6 +19,16 @@ def import_optional(name: str) -> ModuleType | None:
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+def set_stand_in(owner: object, name: str, value: object) -> None:
+    """``owner.<name> = value``: a CPU stand-in put in place of a torch or Megatron attribute.
+
+    Through ``setattr`` on purpose: a stand-in does not have the declared type of what it replaces
+    (a lambda for ``torch.cuda.current_stream``, a class for ``torch.cuda.Stream``), and Megatron's
+    modules are not typed here at all.
+    """
+    setattr(owner, name, value)
 
 
 def replace_once(

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from megatron_muon.cpu_stand_ins._replace import set_stand_in
+
 __all__ = ["patch"]
 
 
@@ -53,13 +55,13 @@ _DEFAULT_STREAM = _NoOpStream()
 
 def patch() -> None:
     """``torch.cuda``'s device query, streams, record_stream and RNG state on CPU."""
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
-    torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
-    torch.cuda.current_stream = lambda *a, **k: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda *a, **k: _DEFAULT_STREAM  # type: ignore[assignment]
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    set_stand_in(torch.cuda, "current_device", lambda: 0)
+    set_stand_in(torch.cuda, "Stream", _NoOpStream)
+    set_stand_in(torch.cuda, "current_stream", lambda *a, **k: _DEFAULT_STREAM)
+    set_stand_in(torch.cuda, "default_stream", lambda *a, **k: _DEFAULT_STREAM)
+    set_stand_in(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     # Record-stream bookkeeping on CPU tensors has nothing to record.
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    set_stand_in(torch.Tensor, "record_stream", lambda self, stream: None)
     # There is no CUDA generator: the CPU generator stands in (TP RNG sync, checkpoints).
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore
-    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore
+    set_stand_in(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    set_stand_in(torch.cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))

@@ -17,7 +17,11 @@ from typing import Any
 
 import torch
 
-from megatron_muon.cpu_stand_ins._replace import import_optional, replace_once
+from megatron_muon.cpu_stand_ins._replace import (
+    import_optional,
+    replace_once,
+    set_stand_in,
+)
 
 __all__ = [
     "TRAINING_REDIRECT_MODULES",
@@ -173,7 +177,7 @@ def redirect_module_devices() -> None:
         for name in names:
             module = import_optional(name)
             if module is not None and getattr(module, "torch", None) is torch:
-                module.torch = proxy
+                set_stand_in(module, "torch", proxy)
 
 
 def _patch_moe_split_sizes_to_host() -> None:
@@ -221,11 +225,11 @@ def _patch_clip_grads_type_check() -> None:
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def clip_on_cpu(*args: Any, **kwargs: Any) -> Any:
-            torch.Tensor.type = type_as_cuda  # type: ignore[method-assign]
+            set_stand_in(torch.Tensor, "type", type_as_cuda)
             try:
                 return original(*args, **kwargs)
             finally:
-                torch.Tensor.type = real_type  # type: ignore[method-assign]
+                set_stand_in(torch.Tensor, "type", real_type)
 
         return clip_on_cpu
 

@@ -11,7 +11,11 @@ from typing import Any
 
 import torch
 
-from megatron_muon.cpu_stand_ins._replace import import_optional, replace_once
+from megatron_muon.cpu_stand_ins._replace import (
+    import_optional,
+    replace_once,
+    set_stand_in,
+)
 from megatron_muon.megatron_fsdp_compat import MEGATRON_FSDP_PACKAGES
 
 __all__ = ["patch"]
@@ -36,11 +40,11 @@ def _patch_uneven_dtensor(package: str) -> None:
         @functools.wraps(original)
         def validate_on_cpu(*args: Any, **kwargs: Any) -> Any:
             saved = torch.Tensor.cuda
-            torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+            set_stand_in(torch.Tensor, "cuda", lambda self, *a, **k: self)
             try:
                 return original(*args, **kwargs)
             finally:
-                torch.Tensor.cuda = saved  # type: ignore[method-assign]
+                set_stand_in(torch.Tensor, "cuda", saved)
 
         return validate_on_cpu
 
@@ -104,7 +108,7 @@ def _patch_coalesced_param_gather(package: str) -> None:
 class _CpuDeviceMesh:
     """Forwards to ``DeviceMesh`` but builds meshes from groups on CPU."""
 
-    def __init__(self, device_mesh_cls: type) -> None:
+    def __init__(self, device_mesh_cls: Any) -> None:
         self._cls = device_mesh_cls
 
     def from_group(self, *args: Any, **kwargs: Any) -> Any:
@@ -130,4 +134,4 @@ def _patch_mcore_fsdp_adapter() -> None:
     if adapter is None:
         return
     if not isinstance(adapter.DeviceMesh, _CpuDeviceMesh):
-        adapter.DeviceMesh = _CpuDeviceMesh(adapter.DeviceMesh)
+        set_stand_in(adapter, "DeviceMesh", _CpuDeviceMesh(adapter.DeviceMesh))

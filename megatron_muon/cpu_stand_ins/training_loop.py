@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from megatron_muon.cpu_stand_ins._replace import replace_once
+from megatron_muon.cpu_stand_ins._replace import replace_once, set_stand_in
 
 __all__ = ["patch"]
 
 
 def patch() -> None:
     """Every training-loop stand-in (the device redirect's extra modules are ``install()``'s)."""
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    torch.Tensor.cuda = _cuda_stays_on_cpu  # type: ignore[method-assign]
+    set_stand_in(torch.cuda, "synchronize", lambda *a, **k: None)
+    set_stand_in(torch.Tensor, "cuda", _cuda_stays_on_cpu)
     _patch_training_arguments()
     _patch_training_initialize()
     _patch_dataset_helpers()
@@ -66,15 +66,15 @@ def _install_cpu_rng_tracker(seed: int) -> None:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     # model_parallel_cuda_manual_seed keeps an initialized tracker (no force_reset) and adds its
     # named seeds to it; its torch.cuda.manual_seed is a lazy no-op without CUDA.
-    random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
-    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    set_stand_in(random, "_CUDA_RNG_STATE_TRACKER", _cpu_rng_tracker_class()())
+    set_stand_in(random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     random.model_parallel_cuda_manual_seed(seed)
 
 
 def _patch_training_arguments() -> None:
     """``validate_args`` reads the GPU's compute capability (arguments.py, Megatron-FSDP block)."""
     arguments = importlib.import_module("megatron.training.arguments")
-    arguments.get_device_arch_version = lambda: 0
+    set_stand_in(arguments, "get_device_arch_version", lambda: 0)
 
 
 def _patch_training_initialize() -> None:
@@ -99,12 +99,13 @@ def _patch_training_initialize() -> None:
         def distributed_with_one_device(*args: Any, **kwargs: Any) -> Any:
             # mpu.initialize_model_parallel runs only when torch.cuda.device_count() > 0.
             saved = torch.cuda.device_count, torch.cuda.set_device
-            torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
-            torch.cuda.set_device = lambda *a, **k: None  # type: ignore[assignment]
+            set_stand_in(torch.cuda, "device_count", lambda: 1)
+            set_stand_in(torch.cuda, "set_device", lambda *a, **k: None)
             try:
                 return original(*args, **kwargs)
             finally:
-                torch.cuda.device_count, torch.cuda.set_device = saved  # type: ignore[assignment]
+                set_stand_in(torch.cuda, "device_count", saved[0])
+                set_stand_in(torch.cuda, "set_device", saved[1])
 
         return distributed_with_one_device
 
@@ -127,7 +128,7 @@ def _patch_training_initialize() -> None:
 def _patch_dataset_helpers() -> None:
     """The wheel ships the compiled dataset helpers but not the Makefile that builds them."""
     utils = importlib.import_module("megatron.core.datasets.utils")
-    utils.compile_helpers = lambda: None
+    set_stand_in(utils, "compile_helpers", lambda: None)
 
 
 def _patch_data_loader_generator() -> None:

@@ -18,7 +18,7 @@ by that entry point only; Megatron-LM scripts with ``megatron_lm.install()`` alo
    ``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
    ``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
 
-Checked against megatron-core 0.19.2 (``megatron_lm.SUPPORTED_MEGATRON_CORE_VERSIONS``).
+Checked against megatron-core 0.19.2 (``megatron_lm.SUPPORTED_MEGATRON_CORE``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def install() -> None:
     megatron_lm.install()
     if _INSTALLED:
         return
-    training = importlib.import_module("megatron.training.training")
+    training: Any = importlib.import_module("megatron.training.training")
     training.get_megatron_optimizer = _with_rank_symmetric_adam_state(
         training.get_megatron_optimizer
     )

@@ -94,6 +94,8 @@ __all__ = [
 SUPPORTED_MEGATRON_CORE = ">=0.19.0,<0.20"
 
 _INSTALLED = False
+# Marks our get_megatron_optimizer: a caller (or test) can tell it from Megatron's own.
+ROUTED_MARK = "_megatron_muon_routed"
 
 
 def installed() -> bool:
@@ -123,8 +125,8 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
         stand_ins.install_for_training()
     if _INSTALLED:
         return
-    arguments = importlib.import_module("megatron.training.arguments")
-    training = importlib.import_module("megatron.training.training")
+    arguments: Any = importlib.import_module("megatron.training.arguments")
+    training: Any = importlib.import_module("megatron.training.training")
 
     arguments.parse_args = with_muon_args(arguments.parse_args)
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
@@ -178,7 +180,7 @@ def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Calla
             pg_collection=bound.arguments.get("pg_collection"),
         )
 
-    get_optimizer_routing_muon._megatron_muon_routed = True  # type: ignore[attr-defined]
+    setattr(get_optimizer_routing_muon, ROUTED_MARK, True)
     return get_optimizer_routing_muon
 
 

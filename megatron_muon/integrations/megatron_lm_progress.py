@@ -97,7 +97,7 @@ def install(log: RunLog) -> None:
     check_megatron_core_version(__name__)
     from megatron.training import get_args, print_rank_0
 
-    training = importlib.import_module("megatron.training.training")
+    training: Any = importlib.import_module("megatron.training.training")
 
     def add_step(seconds: float) -> None:
         log.step_seconds += seconds
