@@ -11,6 +11,7 @@ the collective):
 
 Split sizes and pack/unpack maps depend only on the layouts and the plan, so they are computed once
 per bucket and kept. Inputs and outputs are plain local tensors (``(rows, *row_shape)``, fp32).
+Time spent in the collectives is inside the profiler scope ``COLLECTIVE_SCOPE``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ from megatron_muon.layout import RowLayout, all_gather_single
 from megatron_muon.step_plan import WorkBlock
 
 __all__ = [
+    "COLLECTIVE_SCOPE",
     "ExchangeStats",
     "GatherExchange",
     "OwnerExchange",
     "PendingExchange",
     "source_rank",
 ]
+
+
+# Profiler scope (``torch.profiler.record_function``) of the time spent in the optimizer's
+# collectives and in waiting for its exchanges: transfer, and waiting for the other ranks.
+COLLECTIVE_SCOPE = "megatron_muon.collectives"
 
 
 @dataclass(slots=True)
@@ -308,7 +315,8 @@ class OwnerExchange:
 
     def finish(self, pending: PendingExchange) -> Any:
         """Waits for a started exchange and unpacks what arrived into its output."""
-        pending.work.wait()
+        with torch.profiler.record_function(COLLECTIVE_SCOPE):
+            pending.work.wait()
         position = 0
         for peer_blocks in pending.recv.blocks:
             for block in peer_blocks:
@@ -373,7 +381,8 @@ class GatherExchange:
             packed[position : position + flat.numel()].copy_(flat)
             position += slot
         gathered = torch.empty(self.world * slot_total, dtype=torch.float32, device=self.device)
-        all_gather_single(gathered, packed, group=self.group)
+        with torch.profiler.record_function(COLLECTIVE_SCOPE):
+            all_gather_single(gathered, packed, group=self.group)
         gathered = gathered.view(self.world, slot_total)
         stats.num_collectives += 1
         stats.bytes_sent += 4 * slot_total * (self.world - 1)

@@ -7,7 +7,8 @@ whose NS is split over a block of ranks (``split_newton_schulz``), and local exp
 runs Q, K and V apart under QKV split (``qkv``), batches same-shape NS jobs into one call, and
 counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS needs tensor-parallel
 collectives (``NSMatrix.tp_collectives``) goes whole through the optimizer's own
-``TensorParallelMuon.orthogonalize`` (the ``tensor_parallel`` callable).
+``TensorParallelMuon.orthogonalize`` (the ``tensor_parallel`` callable). Every NS call runs
+inside the profiler scope ``NS_SCOPE``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from megatron_muon.qkv import join_qkv, split_qkv
 from megatron_muon.split_newton_schulz import split_scaled_orthogonalize
 from megatron_muon.step_plan import MatrixPlan, NSMatrix
 
-__all__ = ["NSRunner", "StepStats"]
+__all__ = ["NS_SCOPE", "NSRunner", "StepStats"]
+
+# Profiler scope (``torch.profiler.record_function``) of every Newton-Schulz call of a step.
+NS_SCOPE = "megatron_muon.newton_schulz"
 
 
 @dataclass(slots=True)
@@ -70,7 +74,8 @@ class NSRunner:
         jobs: dict[int, list[torch.Tensor]] = {}
         for i, (plan, tensor) in enumerate(zip(matrices, tensors, strict=True)):
             if plan.matrix.tp_collectives:
-                results[i] = self.tensor_parallel(plan.matrix, tensor)
+                with torch.profiler.record_function(NS_SCOPE):
+                    results[i] = self.tensor_parallel(plan.matrix, tensor)
             elif plan.matrix.qkv_split_shapes:
                 jobs[i] = split_qkv(tensor, plan.matrix.qkv_split_shapes)
             else:
@@ -97,12 +102,14 @@ class NSRunner:
                 piece_rows, piece_cols, self.config.num_ns_steps, plan.split_size, part
             )
         if len(pieces) == 1:
-            return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
+            with torch.profiler.record_function(NS_SCOPE):
+                return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
         shapes = plan.matrix.qkv_split_shapes
-        done = [
-            split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
-            for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
-        ]
+        with torch.profiler.record_function(NS_SCOPE):
+            done = [
+                split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
+                for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
+            ]
         return join_qkv(done, shapes)
 
     def experts(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -124,7 +131,8 @@ class NSRunner:
             by_shape.setdefault(tuple(job.shape), []).append(index)
         results: dict[int, torch.Tensor] = {}
         for (rows, cols), indices in by_shape.items():
-            outputs = orthogonalize_batch([jobs[i] for i in indices], self.config)
+            with torch.profiler.record_function(NS_SCOPE):
+                outputs = orthogonalize_batch([jobs[i] for i in indices], self.config)
             self.stats.ns_flops += len(indices) * self.config.flops(rows, cols)
             results.update(zip(indices, outputs, strict=True))
         return [results[i] for i in range(len(jobs))]

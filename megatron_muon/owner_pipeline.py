@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import GatherExchange, OwnerExchange
+from megatron_muon.exchange import COLLECTIVE_SCOPE, GatherExchange, OwnerExchange
 from megatron_muon.ns_runner import NSRunner, StepStats
 from megatron_muon.options import FsdpModeT
 from megatron_muon.step_plan import MatrixPlan, StepPlan
@@ -78,7 +78,8 @@ class BucketRuntime:
         """
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         if self.num_ranks > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            with torch.profiler.record_function(COLLECTIVE_SCOPE):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             stats.num_collectives += 1
         return [bool(f) for f in flags.tolist()]
 
