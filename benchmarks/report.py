@@ -9,12 +9,18 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.headline import RATIOS, format_headline
+
 __all__ = ["ANCHOR", "REQUIRED_FIGURES", "format_markdown", "format_report", "missing_figures"]
 
 ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
 
 # Every figure the issue asks for, as dotted paths into results.json ("*" = every DP entry).
 REQUIRED_FIGURES = (
+    *(f"headline.ratios.{name}.median" for name in RATIOS),
+    *(f"headline.ratios.{name}.values" for name in RATIOS),
+    "headline.load_average_before",
+    "headline.load_average_after",
     "optimizer_step.dense.by_dp.*.owner_s",
     "optimizer_step.dense.by_dp.*.gather_s",
     "optimizer_step.dense.by_dp.*.gather_over_owner",
@@ -75,6 +81,8 @@ def format_report(results: dict) -> str:
         f"megatron-muon benchmarks: {meta['device_name']}, {meta['date']}, "
         f"{'quick' if meta['quick'] else 'full'} run, {meta['seconds']:.0f} s"
     )
+    lines.append("")
+    lines += format_headline(results["headline"])
     lines.append("")
     lines.append("1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)")
     header = (
@@ -215,6 +223,8 @@ def format_markdown(results: dict) -> str:
         f"Device: {meta['device_name']}. Date: {meta['date']}. Commit {meta['git_commit']}, "
         f"torch {meta['torch']}. Median of {meta['repeats']} steps after {meta['warmup']} "
         f"warm-up; the whole run took {meta['seconds']:.0f} s.",
+        "",
+        *format_headline(results["headline"]),
         "",
         "**1. Muon optimizer step, owner vs gather** (per-rank NS GFLOP and MiB sent: max / mean "
         "over ranks)",
