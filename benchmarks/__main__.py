@@ -14,7 +14,8 @@ processes; every time is the median of ``repeats`` steps after ``warmup`` steps,
    the median repetition of 0).
 4. Peak memory of a training step, Muon vs AdamW; peak transient memory of owner vs gather steps.
 5. Owner-mode step time as the hidden size doubles, and the fitted growth exponent.
-6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``).
+6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``), and batched vs one-by-one NS per
+   shape (``benchmarks.ns_batching``).
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import ns_methods
+from benchmarks import ns_batching, ns_methods
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.launcher import run_ranks
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         matmul_size,
     )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
+    shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
+    results["ns_batching"] = timed_section("ns_batching", ns_batching.batching_rows, shapes)
     results["optimizer_step"] = timed_section(
         "optimizer_step", optimizer_step_section, config, args.device, dp_sizes
     )

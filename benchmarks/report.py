@@ -10,6 +10,7 @@ import json
 import sys
 
 from benchmarks.headline import RATIOS, format_headline
+from benchmarks.ns_batching import format_batching
 
 __all__ = ["ANCHOR", "REQUIRED_FIGURES", "format_markdown", "format_report", "missing_figures"]
 
@@ -63,6 +64,7 @@ REQUIRED_FIGURES = (
     "scaling.growth_exponent",
     "matmul_peak.flops_per_s",
     "ns_methods",
+    "ns_batching",
 )
 
 
@@ -172,6 +174,7 @@ def format_report(results: dict) -> str:
         )
     )
     lines.append("6. Gram vs standard NS: the benchmarks.ns_methods table above")
+    lines += format_batching(results["ns_batching"])
     lines.append(f"results: {meta['results_path']}")
     return "\n".join(lines)
 
@@ -407,6 +410,7 @@ def format_markdown(results: dict) -> str:
         [c.removesuffix("_s") + " ms" if c.endswith("_s") else c for c in columns],
         [[_ns_cell(column, t[column]) for column in columns] for t in timings],
     )
+    out += [*format_batching(results["ns_batching"]), ""]
     return "\n".join(out)
 
 

@@ -4,8 +4,8 @@
 through three callbacks, as torchtitan's distributed Muon runtime does:
 
 - ``prepare(matrix)``: this rank's rows of the NS input, ``(rows_of(rank), cols)`` fp32;
-- ``compute``: an ``NSRunner`` orthogonalizing what arrived on this rank (whole matrices batched,
-  blocks of split matrices over their rank block's process group);
+- ``compute``: an ``NSRunner`` orthogonalizing what arrived on this rank (whole matrices, small
+  ones batched, blocks of split matrices over their rank block's process group);
 - ``finalize(matrix, rows)``: this rank's rows of the orthogonalized update.
 
 How rows travel depends on the data-parallel group ``group`` and the mode:
@@ -99,9 +99,13 @@ class BucketRuntime:
         buckets = [bucket for bucket in buckets if bucket]
         rows = [[prepare(self.plan.matrices[m]) for m in bucket] for bucket in buckets]
         if self.num_ranks == 1:
+            # Every row is here: NS on the local matrices, each update applied as soon as its NS
+            # is done (one result alive at a time, as TensorParallelMuon steps).
             for bucket, local in zip(buckets, rows, strict=True):
                 stats.note_held(local)
-                self._finalize(bucket, compute.whole(self._plans(bucket), local), finalize)
+                plans = self._plans(bucket)
+                for i, result in compute.each_whole(plans, list(local)):
+                    finalize(plans[i], result)
         elif self.mode == "gather":
             for bucket, local in zip(buckets, rows, strict=True):
                 self._gather(bucket, local, compute, finalize, stats)
@@ -172,11 +176,16 @@ class BucketRuntime:
         blocks: dict[tuple[int, int], torch.Tensor],
         compute: NSRunner,
     ) -> dict[tuple[int, int], torch.Tensor]:
-        """Results of this rank's work blocks ``(bucket position, block)``: whole matrices
-        batched, then the blocks of split matrices in order."""
+        """Results of this rank's work blocks ``(bucket position, block)``: whole matrices (each
+        input released from ``blocks`` as it goes to NS), then the blocks of split matrices in
+        order."""
         whole = [key for key in sorted(blocks) if plans[key[0]].split_size == 1]
-        outputs = compute.whole([plans[m] for m, _ in whole], [blocks[key] for key in whole])
-        results = dict(zip(whole, outputs, strict=True))
+        # Each input leaves ``blocks`` as it goes to NS, so it is freed once its NS is done.
+        inputs: list[torch.Tensor | None] = [blocks.pop(key) for key in whole]
+        results = {
+            whole[i]: result
+            for i, result in compute.each_whole([plans[m] for m, _ in whole], inputs)
+        }
         for key in sorted(set(blocks) - set(whole)):
             m, part = key
             group = self.split_groups[plans[m].ranks]
