@@ -13,10 +13,12 @@ How rows travel depends on the data-parallel group ``group`` and the mode:
 - one rank: no exchange, NS on the local (full) matrices;
 - ``"gather"`` (reference): a padded all_gather per bucket (``GatherExchange``), NS of every
   matrix on every rank;
-- ``"owner"``: one packed all_to_all per bucket to the owners (``OwnerExchange``) and one back,
-  pipelined: while the owners orthogonalize bucket ``k``, bucket ``k + 1``'s shards are already on
-  their way (async all_to_all) and bucket ``k - 1``'s results on their way back, so at most two
-  buckets' full matrices are alive at once.
+- ``"owner"``: the rows travel to the owners (``OwnerExchange``, point-to-point messages straight
+  into the full matrices) and the results back, one bucket after the other, so that one bucket's
+  full matrices (``bucket_size_bytes``) are all that is held at once, as that bound promises: each
+  input is freed as its NS finishes, each result once its rows have reached their holders. While
+  the messages travel the rank copies the rows it keeps itself. (Overlapping the next bucket's
+  exchange with this bucket's NS would hold two buckets at once.)
 
 Every rank enters every collective of every bucket, whether it holds rows of its matrices or not.
 The exchanges (their pack/unpack maps) are built once per set of active matrices and kept.
@@ -151,24 +153,16 @@ class BucketRuntime:
         return exchange
 
     def _owner_pipeline(self, buckets, rows, compute: NSRunner, finalize, stats) -> None:
-        """Owner-compute over buckets, communication overlapped with NS (module docstring)."""
-        exchanges = [
-            self._owner_exchange(bucket, local[0].device)
-            for bucket, local in zip(buckets, rows, strict=True)
-        ]
-        if not exchanges:
-            return
-        incoming = exchanges[0].start_gather_to_owners(rows[0], stats)
-        outgoing = []
-        for k, exchange in enumerate(exchanges):
-            blocks = exchange.finish(incoming)
-            if k + 1 < len(exchanges):
-                incoming = exchanges[k + 1].start_gather_to_owners(rows[k + 1], stats)
+        """Owner-compute, one bucket after the other (module docstring): its rows to the owners,
+        NS, its results back, its updates applied; then the next bucket."""
+        for bucket, local in zip(buckets, rows, strict=True):
+            exchange = self._owner_exchange(bucket, local[0].device)
+            blocks = exchange.finish(exchange.start_gather_to_owners(local, stats))
             stats.note_held(list(blocks.values()))
-            results = self._compute_blocks(self._plans(buckets[k]), blocks, compute)
-            outgoing.append(exchange.start_scatter_from_owners(results, stats))
-        for bucket, exchange, pending in zip(buckets, exchanges, outgoing, strict=True):
-            self._finalize(bucket, exchange.finish(pending), finalize)
+            results = self._compute_blocks(self._plans(bucket), blocks, compute)
+            returning = exchange.start_scatter_from_owners(results, stats)
+            del blocks, results  # each freed once its messages are done
+            self._finalize(bucket, exchange.finish(returning), finalize)
 
     def _compute_blocks(
         self,
