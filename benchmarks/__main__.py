@@ -16,6 +16,8 @@ processes; every time is the median of ``repeats`` steps after ``warmup`` steps,
 5. Owner-mode step time as the hidden size doubles, and the fitted growth exponent.
 6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``), and batched vs one-by-one NS per
    shape (``benchmarks.ns_batching``).
+7. The exchange bucket size: owner step time and transient memory for each ``bucket_size_bytes``
+   at DP=2 (``benchmarks.buckets``).
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import ns_batching, ns_methods
+from benchmarks.buckets import bucket_section
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.launcher import run_ranks
@@ -287,6 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         config.repeats,
         matmul_size,
     )
+    if max_ranks >= 2:
+        results["buckets"] = timed_section(
+            "buckets",
+            bucket_section,
+            config.dense,
+            args.device,
+            config.bucket_sizes,
+            config.warmup,
+            config.repeats,
+        )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
     shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
     results["ns_batching"] = timed_section("ns_batching", ns_batching.batching_rows, shapes)

@@ -25,6 +25,7 @@ class BenchConfig:
     repeats: int
     matmul_size: int
     bucket_size_bytes: int
+    bucket_sizes: tuple[int | None, ...]
     ns_methods_argv: tuple[str, ...]
 
 
@@ -50,6 +51,7 @@ FULL = BenchConfig(
     repeats=5,
     matmul_size=2048,
     bucket_size_bytes=16 * 2**20,
+    bucket_sizes=(None, 32 * 2**20, 16 * 2**20, 8 * 2**20, 4 * 2**20),
     ns_methods_argv=(),
 )
 
@@ -73,5 +75,6 @@ QUICK = BenchConfig(
     repeats=2,
     matmul_size=256,
     bucket_size_bytes=64 * 2**10,
+    bucket_sizes=(None, 64 * 2**10, 16 * 2**10),
     ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.buckets import format_buckets
 from benchmarks.headline import RATIOS, format_headline
 from benchmarks.ns_batching import format_batching
 
@@ -86,6 +87,8 @@ def format_report(results: dict) -> str:
     lines.append("")
     lines += format_headline(results["headline"])
     lines.append("")
+    if "buckets" in results:
+        lines += [*format_buckets(results["buckets"]), ""]
     lines.append("1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)")
     header = (
         f"{'model':>6} {'DP':>3} {'owner s':>9} {'gather s':>9} {'g/o':>6} "
@@ -229,6 +232,7 @@ def format_markdown(results: dict) -> str:
         "",
         *format_headline(results["headline"]),
         "",
+        *(format_buckets(results["buckets"]) + [""] if "buckets" in results else []),
         "**1. Muon optimizer step, owner vs gather** (per-rank NS GFLOP and MiB sent: max / mean "
         "over ranks)",
         "",
