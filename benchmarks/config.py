@@ -50,7 +50,7 @@ FULL = BenchConfig(
     warmup=1,
     repeats=5,
     matmul_size=2048,
-    bucket_size_bytes=16 * 2**20,
+    bucket_size_bytes=4 * 2**20,
     bucket_sizes=(None, 32 * 2**20, 16 * 2**20, 8 * 2**20, 4 * 2**20),
     ns_methods_argv=(),
 )
@@ -74,7 +74,7 @@ QUICK = BenchConfig(
     warmup=1,
     repeats=2,
     matmul_size=256,
-    bucket_size_bytes=64 * 2**10,
+    bucket_size_bytes=16 * 2**10,
     bucket_sizes=(None, 64 * 2**10, 16 * 2**10),
     ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
 )
