@@ -106,7 +106,7 @@ class BucketRuntime:
             for bucket, local in zip(buckets, rows, strict=True):
                 stats.note_held(local)
                 plans = self._plans(bucket)
-                for i, result in compute.each_whole(plans, list(local)):
+                for i, result in compute.each_whole(plans, list[torch.Tensor | None](local)):
                     finalize(plans[i], result)
         elif self.mode == "gather":
             for bucket, local in zip(buckets, rows, strict=True):
@@ -132,7 +132,7 @@ class BucketRuntime:
         assert isinstance(exchange, GatherExchange)
         full = exchange.gather(local, stats)
         stats.note_held(full)
-        results = compute.whole(self._plans(bucket), full)
+        results = compute.whole(self._plans(bucket), list[torch.Tensor | None](full))
         mine = [exchange.local_rows_of(r, m).clone() for m, r in enumerate(results)]
         self._finalize(bucket, mine, finalize)
 
