@@ -45,7 +45,12 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from megatron_muon.config import MuonConfig, MuonFsdpConfig, qk_clip_threshold
+from megatron_muon.config import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    MuonConfig,
+    MuonFsdpConfig,
+    qk_clip_threshold,
+)
 from megatron_muon.newton_schulz import NSConfig, NSMethodT
 from megatron_muon.options import (
     FsdpModeT,
@@ -79,7 +84,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--muon-fsdp-bucket-size-mb",
         type=float,
-        default=_DEFAULTS.bucket_size_bytes / 2**20,
+        default=DEFAULT_BUCKET_SIZE_BYTES / 2**20,
         help="Bound (MiB of fp32) on the full matrices held at once for Newton-Schulz (matrices "
         "are exchanged and orthogonalized bucket by bucket); a bound above the model's matrices "
         "gives one bucket.",

@@ -82,10 +82,8 @@ class NSRunner:
         self, matrices: Sequence[MatrixPlan], tensors: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
         """Orthogonalized ``tensors``, in order (``each_whole`` collected)."""
-        results: list[torch.Tensor | None] = [None] * len(tensors)
-        for i, result in self.each_whole(matrices, tensors):
-            results[i] = result
-        return results  # type: ignore[return-value]
+        results = dict(self.each_whole(matrices, tensors))
+        return [results[i] for i in range(len(tensors))]
 
     def each_whole(
         self, matrices: Sequence[MatrixPlan], tensors: list[torch.Tensor | None]

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import COLLECTIVE_SCOPE, GatherExchange, OwnerExchange
+from megatron_muon.exchange import COLLECTIVE_SCOPE, OwnerExchange
+from megatron_muon.gather_exchange import GatherExchange
 from megatron_muon.ns_runner import NSRunner, StepStats
 from megatron_muon.options import FsdpModeT
 from megatron_muon.step_plan import MatrixPlan, StepPlan
