@@ -92,7 +92,8 @@ class PendingExchange:
         works: the handles of this rank's sends and receives.
         staged: ``(buffer, destination)`` of each receive that could not land in place (its
             destination is not contiguous); copied after the wait.
-        keep: send buffers staged because their source was not contiguous (kept alive).
+        keep: send buffers staged because their source was not contiguous fp32 (kept alive
+            until the sends are done).
         output: what ``finish`` returns.
     """
 
@@ -343,9 +344,9 @@ class OwnerExchange:
                 ops.append(dist.P2POp(dist.irecv, buffer, group_ranks[peer], self.group, tag))
         for peer, blocks in enumerate(send.blocks):
             for tag, block in enumerate(blocks):
-                data = read(block).float()
-                if not data.is_contiguous():
-                    data = data.contiguous()
+                source = read(block)
+                data = source.float().contiguous()  # the source itself where it already is
+                if data.data_ptr() != source.data_ptr():
                     keep.append(data)
                 ops.append(dist.P2POp(dist.isend, data, group_ranks[peer], self.group, tag))
         works = dist.batch_isend_irecv(ops) if ops else []
