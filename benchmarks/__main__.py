@@ -3,13 +3,21 @@
 Measures, in one run, each comparison side by side (optimizers alternate step by step in the same
 processes; every time is the median of ``repeats`` steps after ``warmup`` steps, between barriers):
 
+0. The headline ratios (``benchmarks.headline``), each from 3 repetitions: the owner step at DP=2
+   over its ideal (NS FLOPs at the bf16 matmul rate), ours over ``TensorParallelMuon`` at DP=1,
+   the owner step's transient memory over the full matrices it holds, and DP=1 over DP=2 time;
+   where the owner step's time goes (profiler); the load average before and after.
 1. Muon optimizer step, owner vs gather, at DP = 1, 2, 4 on Megatron-FSDP row shards of a small
    transformer's weights (dense and MoE): time, gather/owner, per-rank NS FLOPs and bytes sent.
 2. Full training step (forward, backward, optimizer) of a Megatron-FSDP GPTModel, Muon vs AdamW.
-3. Our Muon step vs megatron-core ``TensorParallelMuon`` and emerging-optimizers ``Muon`` (DP = 1).
+3. Our Muon step vs megatron-core ``TensorParallelMuon`` and emerging-optimizers ``Muon`` (DP = 1;
+   the median repetition of 0).
 4. Peak memory of a training step, Muon vs AdamW; peak transient memory of owner vs gather steps.
 5. Owner-mode step time as the hidden size doubles, and the fitted growth exponent.
-6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``).
+6. Gram vs standard Newton-Schulz (``benchmarks.ns_methods``), and batched vs one-by-one NS per
+   shape (``benchmarks.ns_batching``).
+7. The exchange bucket size: owner step time and transient memory for each ``bucket_size_bytes``
+   at DP=2 (``benchmarks.buckets``).
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -29,92 +37,20 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from benchmarks import ns_methods
+from benchmarks import ns_batching, ns_methods
+from benchmarks.buckets import bucket_section
+from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.headline import headline_section
 from benchmarks.launcher import run_ranks
 from benchmarks.measure import growth_exponent
-from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import (
-    MUON_KWARGS,
-    matmul_rate,
-    owner_vs_gather,
-    size_scaling,
-    stock_comparison,
-)
+from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.report import ANCHOR, format_markdown, format_report, missing_figures
-from benchmarks.training_step import GPTSize, muon_vs_adamw_step, training_step_memory
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """Sizes and repeat counts of one benchmark run."""
-
-    dense: TransformerShapes
-    moe: TransformerShapes
-    dp_sizes: tuple[int, ...]
-    gpt: GPTSize
-    train_dp: int
-    scaling: tuple[TransformerShapes, ...]
-    scaling_dp: int
-    warmup: int
-    repeats: int
-    matmul_size: int
-    bucket_size_bytes: int
-    ns_methods_argv: tuple[str, ...]
-
-
-FULL = BenchConfig(
-    dense=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=2048),
-    # Fine-grained experts: 8 x 256 = the dense MLP's width (per layer, the same expert weights as
-    # the dense MLP); 4 layers keep the run within its time.
-    moe=TransformerShapes(num_layers=4, hidden=512, ffn_hidden=256, num_experts=8),
-    dp_sizes=(1, 2, 4),
-    gpt=GPTSize(
-        num_layers=8,
-        hidden=512,
-        ffn_hidden=2048,
-        num_heads=8,
-        vocab_size=8192,
-        seq_length=256,
-        micro_batch=2,
-    ),
-    train_dp=2,
-    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (256, 512, 1024)),
-    scaling_dp=2,
-    warmup=1,
-    repeats=5,
-    matmul_size=2048,
-    bucket_size_bytes=16 * 2**20,
-    ns_methods_argv=(),
-)
-
-QUICK = BenchConfig(
-    dense=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=256),
-    moe=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=32, num_experts=8),
-    dp_sizes=(1, 2, 4),
-    gpt=GPTSize(
-        num_layers=2,
-        hidden=64,
-        ffn_hidden=256,
-        num_heads=4,
-        vocab_size=512,
-        seq_length=32,
-        micro_batch=2,
-    ),
-    train_dp=2,
-    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (32, 64, 128)),
-    scaling_dp=2,
-    warmup=1,
-    repeats=2,
-    matmul_size=256,
-    bucket_size_bytes=64 * 2**10,
-    ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
-)
-
+from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
 
 # --------------------------------------------------------------------------------------------------
 # sections
@@ -242,10 +178,13 @@ def exchange_transient_section(optimizer_step: dict, device: str) -> dict:
     return section
 
 
-def stock_section(config: BenchConfig, device: str) -> dict:
-    """Section 3: ours vs TensorParallelMuon vs emerging-optimizers Muon on full params, DP = 1."""
-    (result,) = run_ranks(stock_comparison, 1, device, config.dense, config.warmup, config.repeats)
-    seconds = result["seconds"]
+def stock_section(config: BenchConfig, headline: dict) -> dict:
+    """Section 3: ours vs TensorParallelMuon vs emerging-optimizers Muon on full params, DP = 1:
+    the headline repetition whose ours/TensorParallelMuon ratio is the median."""
+    reps = sorted(
+        headline["repetitions"], key=lambda r: r["ratios"]["ours_over_tensor_parallel_muon"]
+    )
+    seconds = reps[len(reps) // 2]["stock_s"]
     return {
         "model": config.dense.describe(),
         "ours_s": seconds["ours"],
@@ -339,11 +278,35 @@ def main(argv: list[str] | None = None) -> int:
         section_seconds[name] = time.monotonic() - start
         return value
 
+    # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.
+    matmul_size = 8192 if args.device == "cuda" else config.matmul_size
+    load_before = os.getloadavg()
+    results["headline"] = timed_section(
+        "headline",
+        headline_section,
+        config.dense,
+        args.device,
+        config.warmup,
+        config.repeats,
+        matmul_size,
+    )
+    if max_ranks >= 2:
+        results["buckets"] = timed_section(
+            "buckets",
+            bucket_section,
+            config.dense,
+            args.device,
+            config.bucket_sizes,
+            config.warmup,
+            config.repeats,
+        )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
+    shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
+    results["ns_batching"] = timed_section("ns_batching", ns_batching.batching_rows, shapes)
     results["optimizer_step"] = timed_section(
         "optimizer_step", optimizer_step_section, config, args.device, dp_sizes
     )
-    results["stock_comparison"] = timed_section("stock", stock_section, config, args.device)
+    results["stock_comparison"] = stock_section(config, results["headline"])
     training, training_memory = timed_section(
         "training_step", training_step_section, config, args.device
     )
@@ -353,10 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         "exchange_transient": exchange_transient_section(results["optimizer_step"], args.device),
     }
     results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
-    # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.
-    matmul_size = 8192 if args.device == "cuda" else config.matmul_size
-    (peak,) = run_ranks(matmul_rate, 1, args.device, matmul_size, 2 * config.repeats + 1)
-    results["matmul_peak"] = {"dtype": "bf16", **peak}
+    rates = [r["matmul_flops_per_s"] for r in results["headline"]["repetitions"]]
+    results["matmul_peak"] = {
+        "dtype": "bf16",
+        "size": matmul_size,
+        "flops_per_s": statistics.median(rates),
+        "measured": "median of the headline repetitions' rates",
+    }
     results["meta"] = {
         "device": args.device,
         "device_name": _device_name(args.device),
@@ -371,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         "dp_sizes": dp_sizes,
         "dp_sizes_skipped_for_lack_of_devices": skipped,
         "seconds": time.monotonic() - started,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
         "section_seconds": section_seconds,
         "results_path": str(out_dir / "results.json"),
     }

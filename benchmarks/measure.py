@@ -13,6 +13,10 @@ Memory, two probes:
   when freed; it is called only in processes that measure RSS, never before timing.
 - ``tensor_memory_peak``: peak bytes of live CPU tensors during one call (the profiler's
   allocation records): exact, and free of what RSS also holds (library code, kernel JIT caches).
+
+Where a step's time goes: ``time_split`` profiles one call and splits its wall time into the time
+inside named profiler scopes (``record_function``; the optimizer marks Newton-Schulz and its
+collective waits), the copies outside them, and the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "median",
     "return_freed_memory_to_os",
     "synchronize",
+    "time_split",
     "timed",
 ]
 
@@ -135,6 +140,59 @@ def tensor_memory_peak(fn: Callable[[], object], device: str) -> int:
         total += nbytes
         peak = max(peak, total)
     return peak
+
+
+# Operators that only move data (a copy, a concatenation, a dtype conversion, a gather by index).
+COPY_OPS = frozenset(
+    {
+        "aten::copy_",
+        "aten::cat",
+        "aten::stack",
+        "aten::clone",
+        "aten::_to_copy",
+        "aten::contiguous",
+        "aten::index",
+        "aten::index_select",
+    }
+)
+
+
+def time_split(fn: Callable[[], object], scopes: dict[str, str]) -> dict[str, float]:
+    """Wall seconds of one call of ``fn`` on this thread, split by the PyTorch profiler.
+
+    Args:
+        fn: the call to profile (one optimizer step).
+        scopes: ``{part name: record_function scope name}``; a part is the summed duration of its
+            scope's outermost occurrences (a scope inside another listed scope counts there).
+
+    Returns:
+        ``{"total": s, <part>: s for each scope, "copies": s, "other": s}``: ``copies`` is the
+        time of ``COPY_OPS`` operators outside every listed scope (outermost copies only),
+        ``other`` what remains (elementwise math, Python, allocation).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        fn()
+        total = time.perf_counter() - start
+    names = set(scopes.values())
+    seconds = dict.fromkeys(scopes.values(), 0.0)
+    copies = 0.0
+    for event in prof.events():
+        ancestors = set()
+        parent = event.cpu_parent
+        while parent is not None:
+            ancestors.add(parent.name)
+            parent = parent.cpu_parent
+        if event.name in names and not ancestors & names:
+            seconds[event.name] += event.cpu_time_total / 1e6
+        elif event.name in COPY_OPS and not ancestors & (names | COPY_OPS):
+            copies += event.cpu_time_total / 1e6
+    split = {"total": total, **{part: seconds[scope] for part, scope in scopes.items()}}
+    split["copies"] = copies
+    split["other"] = total - sum(v for k, v in split.items() if k != "total")
+    return split
 
 
 def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:

@@ -1,6 +1,7 @@
 """Optimizer-step benchmarks (run inside ranks): owner vs gather, ours vs stock, growth with size.
 
-Every function here is a rank body for ``benchmarks.launcher.run_ranks``: it builds the params,
+Every public function here but the helpers ``sharded_params``, ``time_alternating`` and
+``peak_step_memory`` is a rank body for ``benchmarks.launcher.run_ranks``: it builds the params,
 warms up, then alternates the optimizers being compared step by step (so machine noise hits both
 alike) and returns per-rank medians and ``StepStats``. Grads are fixed random tensors: the step's
 cost does not depend on their values.
@@ -18,7 +19,11 @@ from benchmarks.models import ShapeModel, TransformerShapes, shard_like_megatron
 
 __all__ = [
     "MUON_KWARGS",
+    "matmul_rate",
     "owner_vs_gather",
+    "peak_step_memory",
+    "sharded_params",
+    "time_alternating",
     "stock_comparison",
     "size_scaling",
 ]
@@ -37,7 +42,7 @@ MUON_KWARGS = dict(
 )
 
 
-def _sharded_params(shapes: TransformerShapes, world_size: int, device: str) -> list[torch.Tensor]:
+def sharded_params(shapes: TransformerShapes, world_size: int, device: str) -> list[torch.Tensor]:
     """The Shard(0) DTensor params Megatron-FSDP hands the optimizer, with random row grads."""
     from torch.distributed.tensor import DTensor
 
@@ -57,7 +62,7 @@ def _sharded_params(shapes: TransformerShapes, world_size: int, device: str) -> 
     return params
 
 
-def _time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
+def time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
     """Median step seconds of each optimizer, stepping them in turn (order rotated each round)."""
     names = list(optimizers)
     for _ in range(warmup):
@@ -71,7 +76,7 @@ def _time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) 
     return {name: median(values) for name, values in seconds.items()}
 
 
-def _peak_step_memory(optimizers: dict, device: str) -> dict:
+def peak_step_memory(optimizers: dict, device: str) -> dict:
     """Peak tensor memory above the pre-step level during one step of each optimizer, bytes.
 
     CPU: live tensor bytes from the profiler's allocation records; GPU: ``max_memory_allocated``.
@@ -112,11 +117,11 @@ def owner_vs_gather(
 
     runs = {}
     for name, shapes in models.items():
-        params = _sharded_params(shapes, world_size, device)
+        params = sharded_params(shapes, world_size, device)
         optimizers = {
             mode: ShardedMuon(params, mode=mode, **MUON_KWARGS) for mode in ("owner", "gather")
         }
-        seconds = _time_alternating(optimizers, device, warmup, repeats)
+        seconds = time_alternating(optimizers, device, warmup, repeats)
         stats = {mode: asdict(opt.step_stats) for mode, opt in optimizers.items()}
         bucketed = ShardedMuon(
             params, mode="owner", bucket_size_bytes=bucket_size_bytes, **MUON_KWARGS
@@ -128,7 +133,7 @@ def owner_vs_gather(
     results = {}
     for name, run in runs.items():
         optimizers = run.pop("optimizers")
-        run["peak_step_bytes"] = _peak_step_memory(optimizers, device)
+        run["peak_step_bytes"] = peak_step_memory(optimizers, device)
         run["stats"]["owner_bucketed"] = asdict(optimizers["owner_bucketed"].step_stats)
         results[name] = run
     return results
@@ -164,7 +169,7 @@ def stock_comparison(
         "tensor_parallel_muon": TensorParallelMuon(copies(), **MUON_KWARGS),
         "emerging_muon": Muon(copies(), **emerging_kwargs),
     }
-    return {"seconds": _time_alternating(optimizers, device, warmup, repeats)}
+    return {"seconds": time_alternating(optimizers, device, warmup, repeats)}
 
 
 def size_scaling(
@@ -180,9 +185,9 @@ def size_scaling(
 
     rows = []
     for shapes in shape_list:
-        params = _sharded_params(shapes, world_size, device)
+        params = sharded_params(shapes, world_size, device)
         optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
-        seconds = _time_alternating({"owner": optimizer}, device, warmup, repeats)["owner"]
+        seconds = time_alternating({"owner": optimizer}, device, warmup, repeats)["owner"]
         rows.append(
             {"hidden": shapes.hidden, "seconds": seconds, "ns_flops": optimizer.step_stats.ns_flops}
         )

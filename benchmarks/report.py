@@ -1,4 +1,4 @@
-"""What a benchmark run must contain, and how it is shown: terminal table and Markdown.
+"""How a benchmark run is shown: terminal table and Markdown (its figures: ``benchmarks.figures``).
 
 ``python -m benchmarks.report [bench_out/results.json]`` prints the Markdown tables that
 ``docs/benchmarks.md`` records.
@@ -9,55 +9,14 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.buckets import format_buckets
+from benchmarks.figures import REQUIRED_FIGURES, missing_figures
+from benchmarks.headline import format_headline
+from benchmarks.ns_batching import format_batching
+
 __all__ = ["ANCHOR", "REQUIRED_FIGURES", "format_markdown", "format_report", "missing_figures"]
 
 ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
-
-# Every figure the issue asks for, as dotted paths into results.json ("*" = every DP entry).
-REQUIRED_FIGURES = (
-    "optimizer_step.dense.by_dp.*.owner_s",
-    "optimizer_step.dense.by_dp.*.gather_s",
-    "optimizer_step.dense.by_dp.*.gather_over_owner",
-    "optimizer_step.dense.by_dp.*.owner.ns_flops_max",
-    "optimizer_step.dense.by_dp.*.owner.ns_flops_mean",
-    "optimizer_step.dense.by_dp.*.owner.bytes_sent_max",
-    "optimizer_step.dense.by_dp.*.owner.bytes_sent_mean",
-    "optimizer_step.dense.by_dp.*.gather.ns_flops_max",
-    "optimizer_step.dense.by_dp.*.gather.bytes_sent_max",
-    "optimizer_step.dense.by_dp.*.ns_flops_per_s_per_rank",
-    "optimizer_step.moe.by_dp.*.owner_s",
-    "optimizer_step.moe.by_dp.*.gather_s",
-    "optimizer_step.moe.by_dp.*.gather_over_owner",
-    "optimizer_step.moe.by_dp.*.owner.ns_flops_max",
-    "optimizer_step.moe.by_dp.*.owner.bytes_sent_max",
-    "optimizer_step.moe.by_dp.*.owner.bytes_sent_mean",
-    "training_step.muon_step_s",
-    "training_step.adamw_step_s",
-    "training_step.muon_over_adamw_step",
-    "training_step.muon_optimizer_s",
-    "training_step.adamw_optimizer_s",
-    "training_step.muon_over_adamw_optimizer",
-    "stock_comparison.ours_s",
-    "stock_comparison.tensor_parallel_muon_s",
-    "stock_comparison.emerging_muon_s",
-    "stock_comparison.tensor_parallel_muon_over_ours",
-    "stock_comparison.emerging_muon_over_ours",
-    "memory.training_step.muon_peak_bytes",
-    "memory.training_step.adamw_peak_bytes",
-    "memory.training_step.muon_over_adamw",
-    "memory.exchange_transient.measure",
-    "memory.exchange_transient.by_model.*.*.owner_peak_step_bytes_max",
-    "memory.exchange_transient.by_model.*.*.gather_peak_step_bytes_max",
-    "memory.exchange_transient.by_model.*.*.owner_full_matrix_bytes_max",
-    "memory.exchange_transient.by_model.*.*.gather_full_matrix_bytes_max",
-    "memory.exchange_transient.by_model.*.*.gather_over_owner",
-    "memory.exchange_transient.by_model.*.*.owner_bucketed_peak_step_bytes_max",
-    "scaling.hidden",
-    "scaling.seconds",
-    "scaling.growth_exponent",
-    "matmul_peak.flops_per_s",
-    "ns_methods",
-)
 
 
 def _mb(value: float) -> str:
@@ -76,6 +35,10 @@ def format_report(results: dict) -> str:
         f"{'quick' if meta['quick'] else 'full'} run, {meta['seconds']:.0f} s"
     )
     lines.append("")
+    lines += format_headline(results["headline"])
+    lines.append("")
+    if "buckets" in results:
+        lines += [*format_buckets(results["buckets"]), ""]
     lines.append("1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)")
     header = (
         f"{'model':>6} {'DP':>3} {'owner s':>9} {'gather s':>9} {'g/o':>6} "
@@ -164,30 +127,9 @@ def format_report(results: dict) -> str:
         )
     )
     lines.append("6. Gram vs standard NS: the benchmarks.ns_methods table above")
+    lines += format_batching(results["ns_batching"])
     lines.append(f"results: {meta['results_path']}")
     return "\n".join(lines)
-
-
-def missing_figures(results: dict) -> list[str]:
-    """Each ``REQUIRED_FIGURES`` path absent from ``results``, with ``*`` replaced by the keys
-    present (a ``*`` level with no keys at all is reported with the ``*`` in place)."""
-    missing: list[str] = []
-
-    def walk(node: object, parts: list[str], done: list[str]) -> None:
-        if not parts:
-            return
-        head, rest = parts[0], parts[1:]
-        if head == "*" and isinstance(node, dict) and node:
-            for key, child in node.items():
-                walk(child, rest, [*done, key])
-        elif head != "*" and isinstance(node, dict) and node.get(head) is not None:
-            walk(node[head], rest, [*done, head])
-        else:
-            missing.append(".".join(done + parts))
-
-    for figure in REQUIRED_FIGURES:
-        walk(results, figure.split("."), [])
-    return missing
 
 
 def _row(cells: list[object]) -> str:
@@ -216,6 +158,9 @@ def format_markdown(results: dict) -> str:
         f"torch {meta['torch']}. Median of {meta['repeats']} steps after {meta['warmup']} "
         f"warm-up; the whole run took {meta['seconds']:.0f} s.",
         "",
+        *format_headline(results["headline"]),
+        "",
+        *(format_buckets(results["buckets"]) + [""] if "buckets" in results else []),
         "**1. Muon optimizer step, owner vs gather** (per-rank NS GFLOP and MiB sent: max / mean "
         "over ranks)",
         "",
@@ -397,6 +342,7 @@ def format_markdown(results: dict) -> str:
         [c.removesuffix("_s") + " ms" if c.endswith("_s") else c for c in columns],
         [[_ns_cell(column, t[column]) for column in columns] for t in timings],
     )
+    out += [*format_batching(results["ns_batching"]), ""]
     return "\n".join(out)
 
 

@@ -35,7 +35,12 @@ from megatron_muon.options import (
     check_choice,
 )
 
-__all__ = ["MuonConfig", "MuonFsdpConfig", "qk_clip_threshold"]
+__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig", "qk_clip_threshold"]
+
+# The default bound on the fp32 full matrices an owner step holds at once: on the benchmark's
+# dense model at DP=2 the smallest bucket whose step is within 5% of one bucket's time
+# (docs/benchmarks.md, "Exchange bucket size").
+DEFAULT_BUCKET_SIZE_BYTES = 16 * 2**20
 
 # ``MuonFsdpConfig`` field <- the ``megatron_muon.arguments`` flag's attribute on parsed args.
 _FLAG_ATTRIBUTES = {
@@ -115,8 +120,8 @@ class MuonFsdpConfig:
     Attributes:
         mode: ``"owner"``: each full matrix is orthogonalized once, on one owner rank of the
             data-parallel group; ``"gather"``: every rank gathers and orthogonalizes every matrix.
-        bucket_size_bytes: bound on the fp32 full matrices exchanged at once (peak extra memory);
-            None = all in one bucket.
+        bucket_size_bytes: bound on the fp32 full matrices held at once (the owner step's peak
+            extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
         ns_method: ``"standard"`` Newton-Schulz or ``"gram"`` (Gram Newton-Schulz).
         gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``
             (``"float16"`` or ``"bfloat16"``; fp32 under "high"/"highest").
@@ -128,7 +133,7 @@ class MuonFsdpConfig:
     """
 
     mode: FsdpModeT = "owner"
-    bucket_size_bytes: int | None = None
+    bucket_size_bytes: int | None = DEFAULT_BUCKET_SIZE_BYTES
     ns_method: NSMethodT = "standard"
     gram_half_dtype: GramHalfDtypeT = "float16"
     gram_restarts: tuple[int, ...] | None = None

@@ -4,13 +4,20 @@ Two exchanges over the data-parallel group, both exact and both entered by every
 matrix of a bucket, whether it holds rows of it or not (a rank that skipped one would desynchronise
 the collective):
 
-- ``OwnerExchange`` (owner-compute): each matrix has one owner rank. One packed ``all_to_all``
-  brings every row shard to its matrix's owner; after NS, one packed ``all_to_all`` returns each
-  holder its rows. A rank sends about its own shard bytes each way, not ``DP x``.
-- ``GatherExchange`` (reference): one padded ``all_gather`` brings every matrix to every rank.
+- ``OwnerExchange`` (owner-compute): each matrix has one owner rank. Every row shard travels to its
+  matrix's owner by point-to-point messages (one batch per bucket), straight from the rows it is
+  sent from into the full matrix it is received into; after NS, each holder gets its rows of the
+  result the same way. A rank sends about its own shard bytes each way, not ``DP x``.
+- ``GatherExchange`` (reference, ``gather_exchange``): one padded ``all_gather`` brings every
+  matrix to every rank.
 
-Split sizes and pack/unpack maps depend only on the layouts and the plan, so they are computed once
-per bucket and kept. Inputs and outputs are plain local tensors (``(rows, *row_shape)``, fp32).
+No packed copy on either side where a view does: a block of whole rows is a contiguous view of
+the rows it is sent from and of the matrix it is received into. Only a block cut by columns (a
+matrix whose NS is split over ranks along its columns) is staged in a contiguous buffer, where it
+is not contiguous. Who sends which block to whom depends only on the layouts and the plan, so it is
+computed once per bucket and kept. Inputs and outputs are plain local tensors
+(``(rows, *row_shape)``, fp32). Time spent waiting for the exchanges and collectives is inside the
+profiler scope ``COLLECTIVE_SCOPE``.
 """
 
 from __future__ import annotations
@@ -22,16 +29,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_muon.layout import RowLayout, all_gather_single
+from megatron_muon.layout import RowLayout
 from megatron_muon.step_plan import WorkBlock
 
 __all__ = [
+    "COLLECTIVE_SCOPE",
     "ExchangeStats",
-    "GatherExchange",
     "OwnerExchange",
     "PendingExchange",
     "source_rank",
 ]
+
+
+# Profiler scope (``torch.profiler.record_function``) of the time spent in the optimizer's
+# collectives and in waiting for its exchanges: transfer, and waiting for the other ranks.
+COLLECTIVE_SCOPE = "megatron_muon.collectives"
 
 
 @dataclass(slots=True)
@@ -53,7 +65,8 @@ def source_rank(holders: Sequence[int], owner: int, matrix_index: int) -> int:
 
 @dataclass(slots=True)
 class _Block:
-    """A rectangle of one matrix inside a packed buffer: rows x columns of work block ``work``."""
+    """A rectangle of one matrix that travels as one message: rows x columns of work block
+    ``work``."""
 
     matrix: int  # index into the bucket's matrix list
     work: int  # index into that matrix's work blocks
@@ -65,7 +78,7 @@ class _Block:
 
 @dataclass(slots=True)
 class _Splits:
-    """Per-peer block lists and element counts of one all_to_all, for this rank."""
+    """Per-peer block lists and element counts of one direction of an exchange, for this rank."""
 
     blocks: list[list[_Block]] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
@@ -73,18 +86,25 @@ class _Splits:
 
 @dataclass(slots=True)
 class PendingExchange:
-    """An all_to_all in flight: its handle, its buffers (kept alive) and how to unpack it."""
+    """Point-to-point messages in flight, and what ``OwnerExchange.finish`` does once they land.
 
-    work: Any
-    send_buffer: torch.Tensor
-    recv_buffer: torch.Tensor
-    recv: _Splits
-    write: Callable[[_Block, torch.Tensor], None]
+    Attributes:
+        works: the handles of this rank's sends and receives.
+        staged: ``(buffer, destination)`` of each receive that could not land in place (its
+            destination is not contiguous); copied after the wait.
+        keep: send buffers staged because their source was not contiguous fp32 (kept alive
+            until the sends are done).
+        output: what ``finish`` returns.
+    """
+
+    works: list[Any]
+    staged: list[tuple[torch.Tensor, torch.Tensor]]
+    keep: list[torch.Tensor]
     output: Any
 
 
 class OwnerExchange:
-    """Packed all_to_all of row shards to workers and of results back, for one bucket.
+    """Point-to-point exchange of row shards to workers and of results back, for one bucket.
 
     Args:
         layouts: row layout of each matrix in the bucket (same on every rank).
@@ -138,7 +158,7 @@ class OwnerExchange:
                         if holder == rank:
                             self.back_recv.blocks[w.rank].append(block)
                             self.back_recv.sizes[w.rank] += numel
-        # Blocks a rank would send to itself do not go through the all_to_all: they are copied
+        # Blocks a rank would send to itself are not sent: they are copied
         # locally, or, where one such block is a whole work block (or all of this rank's rows of a
         # result), used in place with no copy at all.
         self._self_in = self._take_self_blocks(self.to_owner_send, self.to_owner_recv)
@@ -239,13 +259,14 @@ class OwnerExchange:
             for key in self.owned()
         }
 
-        def write(block: _Block, data: torch.Tensor) -> None:
+        def target(block: _Block) -> torch.Tensor:
             w = self.work[block.matrix][block.work]
-            target = full[(block.matrix, block.work)]
-            target[block.start - w.row_start : block.stop - w.row_start].copy_(data)
+            return full[(block.matrix, block.work)][
+                block.start - w.row_start : block.stop - w.row_start
+            ]
 
         local = [b for b in self._self_in if (b.matrix, b.work) not in self._direct_in]
-        return self._start(self.to_owner_send, self.to_owner_recv, read, write, full, stats, local)
+        return self._start(self.to_owner_send, self.to_owner_recv, read, target, full, stats, local)
 
     def start_scatter_from_owners(
         self, results: dict[tuple[int, int], torch.Tensor], stats: ExchangeStats
@@ -254,12 +275,20 @@ class OwnerExchange:
         ``group``, asynchronous); ``finish`` waits and returns the result.
 
         Args:
-            results: for each of this rank's work blocks ``(m, k)``, the result rectangle.
+            results: for each of this rank's work blocks ``(m, k)``, the result rectangle;
+                a result whose rows go to other ranks is replaced by a row-major copy where it is
+                not row-major.
 
         Returns:
             The pending exchange; ``finish`` gives this rank's rows of each matrix's result,
             ``(rows_of(rank), *row_shape)``, fp32.
         """
+
+        # NS returns a tall matrix's result transposed in memory (it iterates on the transpose):
+        # its rows are sent from a row-major copy, which replaces it at once (one matrix's extra
+        # memory at a time, where packing every block would hold them all).
+        for key in {(b.matrix, b.work) for peer in self.back_send.blocks for b in peer}:
+            results[key] = results[key].contiguous()
 
         def read(block: _Block) -> torch.Tensor:
             w = self.work[block.matrix][block.work]
@@ -278,121 +307,64 @@ class OwnerExchange:
             for m, layout in enumerate(self.layouts)
         ]
 
-        def write(block: _Block, data: torch.Tensor) -> None:
+        def target(block: _Block) -> torch.Tensor:
             start = self.layouts[block.matrix].ranges[self.rank][0]
             rows = mine[block.matrix][block.start - start : block.stop - start]
-            rows[:, block.col_start : block.col_stop].copy_(data)
+            return rows[:, block.col_start : block.col_stop]
 
         local = [b for b in self._self_back if b.matrix not in self._direct_back]
-        return self._start(self.back_send, self.back_recv, read, write, mine, stats, local)
+        return self._start(self.back_send, self.back_recv, read, target, mine, stats, local)
 
     def _start(
-        self, send: _Splits, recv: _Splits, read, write, output, stats, local: list[_Block]
+        self,
+        send: _Splits,
+        recv: _Splits,
+        read: Callable[[_Block], torch.Tensor],
+        target: Callable[[_Block], torch.Tensor],
+        output: Any,
+        stats: ExchangeStats,
+        local: list[_Block],
     ) -> PendingExchange:
-        """Packs the send buffer, launches the all_to_all without waiting for it, then copies
-        the blocks this rank keeps (``local``) while the collective runs."""
-        pieces = [read(b).reshape(-1).float() for peer in send.blocks for b in peer]
-        send_buffer = (
-            torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
-        )
-        recv_buffer = torch.empty(sum(recv.sizes), dtype=torch.float32, device=self.device)
-        work = dist.all_to_all_single(
-            recv_buffer, send_buffer, recv.sizes, send.sizes, group=self.group, async_op=True
-        )
+        """Starts this rank's sends (``read(block)``, a view where contiguous) and receives
+        (into ``target(block)``, in place where contiguous) without waiting for them, then copies
+        the blocks this rank keeps (``local``) while they travel."""
+        group_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        # Messages between two ranks are matched in the order they are posted, per tag; both sides
+        # list a pair's blocks in the same order, and the tag numbers them within the exchange.
+        ops: list[dist.P2POp] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        keep: list[torch.Tensor] = []
+        for peer, blocks in enumerate(recv.blocks):
+            for tag, block in enumerate(blocks):
+                destination = target(block)
+                buffer = destination if destination.is_contiguous() else None
+                if buffer is None:
+                    buffer = torch.empty_like(destination, memory_format=torch.contiguous_format)
+                    staged.append((buffer, destination))
+                ops.append(dist.P2POp(dist.irecv, buffer, group_ranks[peer], self.group, tag))
+        for peer, blocks in enumerate(send.blocks):
+            for tag, block in enumerate(blocks):
+                source = read(block)
+                data = source.float().contiguous()  # the source itself where it already is
+                if data.data_ptr() != source.data_ptr():
+                    keep.append(data)
+                ops.append(dist.P2POp(dist.isend, data, group_ranks[peer], self.group, tag))
+        works = dist.batch_isend_irecv(ops) if ops else []
         for block in local:
-            write(block, read(block))
+            target(block).copy_(read(block))
         stats.num_collectives += 1
         stats.bytes_sent += 4 * sum(send.sizes)
         stats.bytes_received += 4 * sum(recv.sizes)
-        return PendingExchange(work, send_buffer, recv_buffer, recv, write, output)
+        return PendingExchange(works, staged, keep, output)
 
     def finish(self, pending: PendingExchange) -> Any:
-        """Waits for a started exchange and unpacks what arrived into its output."""
-        pending.work.wait()
-        position = 0
-        for peer_blocks in pending.recv.blocks:
-            for block in peer_blocks:
-                numel = self._numel(block)
-                data = pending.recv_buffer[position : position + numel]
-                shape = (
-                    block.stop - block.start,
-                    block.col_stop - block.col_start,
-                    *self.layouts[block.matrix].row_shape[1:],
-                )
-                pending.write(block, data.view(shape))
-                position += numel
-        return pending.output
-
-
-class GatherExchange:
-    """Padded all_gather of every matrix's row shards to every rank, for one bucket (reference).
-
-    Args:
-        layouts: row layout of each matrix in the bucket (same on every rank).
-        rank: this rank in ``group``.
-        group: the data-parallel process group.
-        device: where buffers are allocated (the params' device).
-    """
-
-    def __init__(
-        self,
-        layouts: Sequence[RowLayout],
-        rank: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-    ) -> None:
-        self.device = device
-        self.layouts = list(layouts)
-        self.rank = rank
-        self.group = group
-        self.world = dist.get_world_size(group)
-        self.max_rows = [
-            max(layout.rows_of(r) for r in range(self.world)) for layout in self.layouts
-        ]
-        self.slot_numel = [
-            rows * layout.row_numel
-            for rows, layout in zip(self.max_rows, self.layouts, strict=True)
-        ]
-
-    def gather(
-        self, local_rows: Sequence[torch.Tensor], stats: ExchangeStats
-    ) -> list[torch.Tensor]:
-        """Every full matrix on every rank. Collective over ``group``.
-
-        Args:
-            local_rows: this rank's rows of each matrix, ``(rows_of(rank), *row_shape)``.
-
-        Returns:
-            Each full matrix ``(num_rows, *row_shape)``, fp32.
-        """
-        slot_total = sum(self.slot_numel)
-        packed = torch.zeros(slot_total, dtype=torch.float32, device=self.device)
-        position = 0
-        for rows, slot in zip(local_rows, self.slot_numel, strict=True):
-            flat = rows.reshape(-1)
-            packed[position : position + flat.numel()].copy_(flat)
-            position += slot
-        gathered = torch.empty(self.world * slot_total, dtype=torch.float32, device=self.device)
-        all_gather_single(gathered, packed, group=self.group)
-        gathered = gathered.view(self.world, slot_total)
-        stats.num_collectives += 1
-        stats.bytes_sent += 4 * slot_total * (self.world - 1)
-        stats.bytes_received += 4 * slot_total * (self.world - 1)
-
-        full = []
-        offsets = [0]
-        for slot in self.slot_numel:
-            offsets.append(offsets[-1] + slot)
-        for m, layout in enumerate(self.layouts):
-            matrix = torch.empty(layout.shape, dtype=torch.float32, device=self.device)
-            for (start, stop), holders in layout.intervals():
-                numel = (stop - start) * layout.row_numel
-                data = gathered[holders[0], offsets[m] : offsets[m] + numel]
-                matrix[start:stop].copy_(data.view(stop - start, *layout.row_shape))
-            full.append(matrix)
-        return full
-
-    def local_rows_of(self, full: torch.Tensor, m: int) -> torch.Tensor:
-        """This rank's rows of a full matrix of bucket position ``m``."""
-        start, stop = self.layouts[m].ranges[self.rank]
-        return full[start:stop]
+        """Waits for a started exchange; copies the staged receives into place."""
+        with torch.profiler.record_function(COLLECTIVE_SCOPE):
+            for work in pending.works:
+                work.wait()
+        for buffer, destination in pending.staged:
+            destination.copy_(buffer)
+        output = pending.output
+        # Drop every reference to the messages' tensors, so that each is freed with its last use.
+        pending.works, pending.staged, pending.keep, pending.output = [], [], [], None
+        return output

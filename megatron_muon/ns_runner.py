@@ -4,15 +4,19 @@
 matrices (data-parallel-full, tensor-parallel-local, ``(rows, cols)`` fp32), the blocks of matrices
 whose NS is split over a block of ranks (``split_newton_schulz``), and local expert tensors
 ``(E, out, in)`` (whole experts per rank). It applies Muon's scale as ``TensorParallelMuon`` does,
-runs Q, K and V apart under QKV split (``qkv``), batches same-shape NS jobs into one call, and
-counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS needs tensor-parallel
+runs Q, K and V apart under QKV split (``qkv``), batches small same-shape NS jobs into one call,
+and counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS needs tensor-parallel
 collectives (``NSMatrix.tp_collectives``) goes whole through the optimizer's own
 ``TensorParallelMuon.orthogonalize`` (the ``tensor_parallel`` callable).
+
+Batching same-shape jobs into one NS call saves per-call overhead but costs a stacking copy of the
+inputs; on one CPU thread it pays only for small matrices (``batch_pays``), so larger ones run one
+by one, each with no copy at all. Every NS call runs inside the profiler scope ``NS_SCOPE``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +29,24 @@ from megatron_muon.qkv import join_qkv, split_qkv
 from megatron_muon.split_newton_schulz import split_scaled_orthogonalize
 from megatron_muon.step_plan import MatrixPlan, NSMatrix
 
-__all__ = ["NSRunner", "StepStats"]
+__all__ = ["NS_SCOPE", "NSRunner", "StepStats", "batch_pays"]
+
+# Profiler scope (``torch.profiler.record_function``) of every Newton-Schulz call of a step.
+NS_SCOPE = "megatron_muon.newton_schulz"
+
+# Largest matrix (elements) whose same-shape NS jobs are batched on CPU: measured on one thread
+# (benchmarks.ns_batching, docs/benchmarks.md), batching pays 1.3-3x up to (128, 512), is even
+# (0.97-1.01) at 512 x 256 elements, and costs about 3% from (512, 512) up (the stacking copy).
+CPU_BATCH_MAX_NUMEL = 512 * 256
+
+
+def batch_pays(shape: tuple[int, int], device: torch.device) -> bool:
+    """Whether same-shape NS jobs of ``shape`` run faster batched into one call on ``device``.
+
+    CPU: up to ``CPU_BATCH_MAX_NUMEL`` elements. GPUs: always (not measured here; batching keeps
+    the GPU busy with fewer, larger kernels).
+    """
+    return device.type != "cpu" or shape[0] * shape[1] <= CPU_BATCH_MAX_NUMEL
 
 
 @dataclass(slots=True)
@@ -58,29 +79,46 @@ class NSRunner:
     tensor_parallel: Callable[[NSMatrix, torch.Tensor], torch.Tensor]
 
     def whole(
-        self, matrices: Sequence[MatrixPlan], tensors: Sequence[torch.Tensor]
+        self, matrices: Sequence[MatrixPlan], tensors: list[torch.Tensor | None]
     ) -> list[torch.Tensor]:
-        """Orthogonalized ``tensors``, the full ``(rows, cols)`` fp32 matrices of ``matrices``.
-
-        Matrices with tensor-parallel collectives go through ``tensor_parallel`` one by one, in
-        order (the TP ranks call in the same order); all others are cut into NS jobs (Q, K and V
-        apart under QKV split) and same-shape jobs share one NS call.
-        """
-        results: dict[int, torch.Tensor] = {}
-        jobs: dict[int, list[torch.Tensor]] = {}
-        for i, (plan, tensor) in enumerate(zip(matrices, tensors, strict=True)):
-            if plan.matrix.tp_collectives:
-                results[i] = self.tensor_parallel(plan.matrix, tensor)
-            elif plan.matrix.qkv_split_shapes:
-                jobs[i] = split_qkv(tensor, plan.matrix.qkv_split_shapes)
-            else:
-                jobs[i] = [tensor]
-        done = iter(self.jobs([job for pieces in jobs.values() for job in pieces]))
-        for i, pieces in jobs.items():
-            outputs = [next(done) for _ in pieces]
-            shapes = matrices[i].matrix.qkv_split_shapes
-            results[i] = join_qkv(outputs, shapes) if len(outputs) > 1 else outputs[0]
+        """Orthogonalized ``tensors``, in order (``each_whole`` collected)."""
+        results = dict(self.each_whole(matrices, tensors))
         return [results[i] for i in range(len(tensors))]
+
+    def each_whole(
+        self, matrices: Sequence[MatrixPlan], tensors: list[torch.Tensor | None]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(i, orthogonalized tensors[i])`` for the full ``(rows, cols)`` fp32 matrices of
+        ``matrices``, each yielded as soon as it is done.
+
+        Releases each input (``tensors[i] = None``) once its NS ran, so that an input nobody else
+        holds is freed before the next NS starts. Matrices with tensor-parallel collectives go
+        through ``tensor_parallel`` first, one by one, in order (the TP ranks call in the same
+        order); all others are cut into NS jobs (Q, K and V apart under QKV split): jobs of one
+        shape where ``batch_pays`` share one NS call, the others run one by one, matrix by matrix.
+        """
+        jobs: dict[int, list[torch.Tensor]] = {}
+        for i, plan in enumerate(matrices):
+            if plan.matrix.tp_collectives:
+                with torch.profiler.record_function(NS_SCOPE):
+                    result = self.tensor_parallel(plan.matrix, _take(tensors, i))
+                yield i, result
+            elif plan.matrix.qkv_split_shapes:
+                jobs[i] = split_qkv(_take(tensors, i), plan.matrix.qkv_split_shapes)
+            else:
+                jobs[i] = [_take(tensors, i)]
+        small = [
+            (i, p) for i, pieces in jobs.items() for p, job in enumerate(pieces) if _batched(job)
+        ]
+        done = dict(zip(small, self.jobs([jobs[i][p] for i, p in small]), strict=True))
+        for i, pieces in jobs.items():
+            outputs = [
+                done.pop((i, p)) if (i, p) in done else self.jobs([job])[0]
+                for p, job in enumerate(pieces)
+            ]
+            pieces.clear()
+            shapes = matrices[i].matrix.qkv_split_shapes
+            yield i, join_qkv(outputs, shapes) if len(outputs) > 1 else outputs[0]
 
     def split_block(
         self, plan: MatrixPlan, block: torch.Tensor, group: dist.ProcessGroup, part: int
@@ -97,12 +135,14 @@ class NSRunner:
                 piece_rows, piece_cols, self.config.num_ns_steps, plan.split_size, part
             )
         if len(pieces) == 1:
-            return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
+            with torch.profiler.record_function(NS_SCOPE):
+                return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
         shapes = plan.matrix.qkv_split_shapes
-        done = [
-            split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
-            for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
-        ]
+        with torch.profiler.record_function(NS_SCOPE):
+            done = [
+                split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
+                for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
+            ]
         return join_qkv(done, shapes)
 
     def experts(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -124,7 +164,20 @@ class NSRunner:
             by_shape.setdefault(tuple(job.shape), []).append(index)
         results: dict[int, torch.Tensor] = {}
         for (rows, cols), indices in by_shape.items():
-            outputs = orthogonalize_batch([jobs[i] for i in indices], self.config)
+            with torch.profiler.record_function(NS_SCOPE):
+                outputs = orthogonalize_batch([jobs[i] for i in indices], self.config)
             self.stats.ns_flops += len(indices) * self.config.flops(rows, cols)
             results.update(zip(indices, outputs, strict=True))
         return [results[i] for i in range(len(jobs))]
+
+
+def _batched(job: torch.Tensor) -> bool:
+    return batch_pays((job.shape[0], job.shape[1]), job.device)
+
+
+def _take(tensors: list[torch.Tensor | None], i: int) -> torch.Tensor:
+    """``tensors[i]``, released from the list."""
+    tensor = tensors[i]
+    tensors[i] = None
+    assert tensor is not None
+    return tensor

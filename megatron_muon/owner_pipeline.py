@@ -4,8 +4,8 @@
 through three callbacks, as torchtitan's distributed Muon runtime does:
 
 - ``prepare(matrix)``: this rank's rows of the NS input, ``(rows_of(rank), cols)`` fp32;
-- ``compute``: an ``NSRunner`` orthogonalizing what arrived on this rank (whole matrices batched,
-  blocks of split matrices over their rank block's process group);
+- ``compute``: an ``NSRunner`` orthogonalizing what arrived on this rank (whole matrices, small
+  ones batched, blocks of split matrices over their rank block's process group);
 - ``finalize(matrix, rows)``: this rank's rows of the orthogonalized update.
 
 How rows travel depends on the data-parallel group ``group`` and the mode:
@@ -13,10 +13,12 @@ How rows travel depends on the data-parallel group ``group`` and the mode:
 - one rank: no exchange, NS on the local (full) matrices;
 - ``"gather"`` (reference): a padded all_gather per bucket (``GatherExchange``), NS of every
   matrix on every rank;
-- ``"owner"``: one packed all_to_all per bucket to the owners (``OwnerExchange``) and one back,
-  pipelined: while the owners orthogonalize bucket ``k``, bucket ``k + 1``'s shards are already on
-  their way (async all_to_all) and bucket ``k - 1``'s results on their way back, so at most two
-  buckets' full matrices are alive at once.
+- ``"owner"``: the rows travel to the owners (``OwnerExchange``, point-to-point messages straight
+  into the full matrices) and the results back, one bucket after the other, so that one bucket's
+  full matrices (``bucket_size_bytes``) are all that is held at once, as that bound promises: each
+  input is freed as its NS finishes, each result once its rows have reached their holders. While
+  the messages travel the rank copies the rows it keeps itself. (Overlapping the next bucket's
+  exchange with this bucket's NS would hold two buckets at once.)
 
 Every rank enters every collective of every bucket, whether it holds rows of its matrices or not.
 The exchanges (their pack/unpack maps) are built once per set of active matrices and kept.
@@ -29,7 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import GatherExchange, OwnerExchange
+from megatron_muon.exchange import COLLECTIVE_SCOPE, OwnerExchange
+from megatron_muon.gather_exchange import GatherExchange
 from megatron_muon.ns_runner import NSRunner, StepStats
 from megatron_muon.options import FsdpModeT
 from megatron_muon.step_plan import MatrixPlan, StepPlan
@@ -78,7 +81,8 @@ class BucketRuntime:
         """
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         if self.num_ranks > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            with torch.profiler.record_function(COLLECTIVE_SCOPE):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             stats.num_collectives += 1
         return [bool(f) for f in flags.tolist()]
 
@@ -98,9 +102,13 @@ class BucketRuntime:
         buckets = [bucket for bucket in buckets if bucket]
         rows = [[prepare(self.plan.matrices[m]) for m in bucket] for bucket in buckets]
         if self.num_ranks == 1:
+            # Every row is here: NS on the local matrices, each update applied as soon as its NS
+            # is done (one result alive at a time, as TensorParallelMuon steps).
             for bucket, local in zip(buckets, rows, strict=True):
                 stats.note_held(local)
-                self._finalize(bucket, compute.whole(self._plans(bucket), local), finalize)
+                plans = self._plans(bucket)
+                for i, result in compute.each_whole(plans, list[torch.Tensor | None](local)):
+                    finalize(plans[i], result)
         elif self.mode == "gather":
             for bucket, local in zip(buckets, rows, strict=True):
                 self._gather(bucket, local, compute, finalize, stats)
@@ -125,7 +133,7 @@ class BucketRuntime:
         assert isinstance(exchange, GatherExchange)
         full = exchange.gather(local, stats)
         stats.note_held(full)
-        results = compute.whole(self._plans(bucket), full)
+        results = compute.whole(self._plans(bucket), list[torch.Tensor | None](full))
         mine = [exchange.local_rows_of(r, m).clone() for m, r in enumerate(results)]
         self._finalize(bucket, mine, finalize)
 
@@ -146,24 +154,16 @@ class BucketRuntime:
         return exchange
 
     def _owner_pipeline(self, buckets, rows, compute: NSRunner, finalize, stats) -> None:
-        """Owner-compute over buckets, communication overlapped with NS (module docstring)."""
-        exchanges = [
-            self._owner_exchange(bucket, local[0].device)
-            for bucket, local in zip(buckets, rows, strict=True)
-        ]
-        if not exchanges:
-            return
-        incoming = exchanges[0].start_gather_to_owners(rows[0], stats)
-        outgoing = []
-        for k, exchange in enumerate(exchanges):
-            blocks = exchange.finish(incoming)
-            if k + 1 < len(exchanges):
-                incoming = exchanges[k + 1].start_gather_to_owners(rows[k + 1], stats)
+        """Owner-compute, one bucket after the other (module docstring): its rows to the owners,
+        NS, its results back, its updates applied; then the next bucket."""
+        for bucket, local in zip(buckets, rows, strict=True):
+            exchange = self._owner_exchange(bucket, local[0].device)
+            blocks = exchange.finish(exchange.start_gather_to_owners(local, stats))
             stats.note_held(list(blocks.values()))
-            results = self._compute_blocks(self._plans(buckets[k]), blocks, compute)
-            outgoing.append(exchange.start_scatter_from_owners(results, stats))
-        for bucket, exchange, pending in zip(buckets, exchanges, outgoing, strict=True):
-            self._finalize(bucket, exchange.finish(pending), finalize)
+            results = self._compute_blocks(self._plans(bucket), blocks, compute)
+            returning = exchange.start_scatter_from_owners(results, stats)
+            del blocks, results  # each freed once its messages are done
+            self._finalize(bucket, exchange.finish(returning), finalize)
 
     def _compute_blocks(
         self,
@@ -171,11 +171,16 @@ class BucketRuntime:
         blocks: dict[tuple[int, int], torch.Tensor],
         compute: NSRunner,
     ) -> dict[tuple[int, int], torch.Tensor]:
-        """Results of this rank's work blocks ``(bucket position, block)``: whole matrices
-        batched, then the blocks of split matrices in order."""
+        """Results of this rank's work blocks ``(bucket position, block)``: whole matrices (each
+        input released from ``blocks`` as it goes to NS), then the blocks of split matrices in
+        order."""
         whole = [key for key in sorted(blocks) if plans[key[0]].split_size == 1]
-        outputs = compute.whole([plans[m] for m, _ in whole], [blocks[key] for key in whole])
-        results = dict(zip(whole, outputs, strict=True))
+        # Each input leaves ``blocks`` as it goes to NS, so it is freed once its NS is done.
+        inputs: list[torch.Tensor | None] = [blocks.pop(key) for key in whole]
+        results = {
+            whole[i]: result
+            for i, result in compute.each_whole([plans[m] for m, _ in whole], inputs)
+        }
         for key in sorted(set(blocks) - set(whole)):
             m, part = key
             group = self.split_groups[plans[m].ranks]

@@ -32,7 +32,7 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.config import DEFAULT_BUCKET_SIZE_BYTES, MuonConfig, MuonFsdpConfig
 from megatron_muon.layout import check_same_params, gather_row_layouts, local_tensor
 from megatron_muon.momentum_offload import MomentumOffload
 from megatron_muon.newton_schulz import NSCoeffT, NSConfig, NSMethodT, ns_flops
@@ -109,8 +109,10 @@ class ShardedMuon(TensorParallelMuon):
             ``pg_collection.expt_dp`` for experts. ``None`` means the default (world) group.
         mode: ``"owner"`` (each full matrix orthogonalized once, by one owner rank) or
             ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
-        bucket_size_bytes: bound on the fp32 bytes of full matrices exchanged at once (peak extra
-            memory); ``None`` exchanges all matrices in one bucket.
+        bucket_size_bytes: bound on the fp32 bytes of full matrices held at once (the owner step's
+            peak extra memory; buckets are exchanged and orthogonalized one after the other);
+            ``None`` exchanges all matrices in one bucket. Default: 16 MiB
+            (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
         ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``), e.g.
             ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz).
         custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
@@ -160,7 +162,7 @@ class ShardedMuon(TensorParallelMuon):
         *,
         dp_group: dist.ProcessGroup | None = None,
         mode: FsdpModeT = "owner",
-        bucket_size_bytes: int | None = None,
+        bucket_size_bytes: int | None = DEFAULT_BUCKET_SIZE_BYTES,
         ns_method: NSMethodT = "standard",
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
         gram_restarts: tuple[int, ...] | None = None,

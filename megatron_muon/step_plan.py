@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING
 
 from megatron_muon.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
 from megatron_muon.newton_schulz import NSConfig
-from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.planner import (
+    OwnerPlan,
+    plan_owners,
+    plan_owners_by_bucket,
+    plan_split_owners,
+)
 from megatron_muon.qkv import qkv_pieces
 
 if TYPE_CHECKING:
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["MatrixPlan", "NSMatrix", "StepPlan", "WorkBlock", "bucket_by_bytes", "plan_step"]
 
 _EXCHANGE_BYTES = 4  # the exchange moves fp32 rows
+# Buckets are balanced one by one where they hold at least this many matrices per rank on average.
+_MATRICES_PER_RANK_PER_BUCKET = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,15 +143,20 @@ def plan_step(
 
     Each matrix's cost is its NS FLOPs under ``ns_config`` (the NS-method registry). Where the
     method is splittable (``NSConfig.splittable``), ``planner.plan_split_owners`` may split the NS
-    of matrices costing at least ``min_split_flops`` (and without tensor-parallel collectives) over
-    up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte`` (``element_bytes`` per
-    element); otherwise ``planner.plan_owners`` gives each matrix one owner.
+    of matrices costing at least ``min_split_flops`` (and without tensor-parallel collectives)
+    over up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte``
+    (``element_bytes`` per element); otherwise ``planner.plan_owners`` gives each matrix one
+    owner. A plan without splits over several exchange buckets (``bucket_by_bytes``) holding at
+    least two matrices per rank each on average balances each bucket on its own
+    (``planner.plan_owners_by_bucket``): the ranks meet at each bucket's exchange.
 
     Args:
         bucket_size_bytes: bound on the full fp32 bytes of the matrices of one exchange bucket;
             ``None``: one bucket.
     """
     costs = [pieces_flops(m.pieces, ns_config) for m in matrices]
+    sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in matrices]
+    buckets = tuple(tuple(b) for b in bucket_by_bytes(sizes, bucket_size_bytes))
     if ns_config.splittable and max_split > 1:
         owner_plan = plan_split_owners(
             costs,
@@ -158,12 +170,19 @@ def plan_step(
         )
     else:
         owner_plan = plan_owners(costs, group_size)
+    if (
+        not owner_plan.split_sizes
+        and len(buckets) > 1
+        and len(matrices) >= _MATRICES_PER_RANK_PER_BUCKET * group_size * len(buckets)
+    ):
+        # The ranks meet at every bucket's exchange: a bucket whose NS falls mostly on one rank
+        # makes the others wait, whatever the later buckets hold. Balance each bucket, where
+        # buckets hold enough matrices per rank for that (else the step as a whole).
+        owner_plan = plan_owners_by_bucket(costs, group_size, buckets)
     records = tuple(
         MatrixPlan(matrix, cost, _work_blocks(owner_plan, m, matrix))
         for m, (matrix, cost) in enumerate(zip(matrices, costs, strict=True))
     )
-    sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in matrices]
-    buckets = tuple(tuple(b) for b in bucket_by_bytes(sizes, bucket_size_bytes))
     return StepPlan(records, owner_plan, buckets)
 
 

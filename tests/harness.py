@@ -1,10 +1,12 @@
-"""Multi-rank test harness: run a function on N gloo ranks on CPU, fast, and never hang.
+"""Multi-rank launcher of the tests and the benchmarks: run a function on N ranks, fast, never hang.
 
-``run_on_ranks(fn, world_size, *args, timeout=...)`` starts ``world_size`` processes from a
-forkserver whose preload already imported torch, megatron-core and megatron_fsdp (a launch then
-costs well under a second after the first), initialises a gloo process group through a fresh file
-store (no ports to race for), applies the CPU stand-ins of ``megatron_muon.cpu_stand_ins`` inside
-each rank, calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank order.
+``run_on_ranks(fn, world_size, *args, timeout=..., device="cpu")`` starts ``world_size`` processes
+from a forkserver whose preload already imported torch, megatron-core and megatron_fsdp (a launch
+then costs well under a second after the first), initialises a process group through a fresh file
+store (no ports to race for), calls ``fn(rank, world_size, *args)`` and returns the per-rank
+results in rank order. On CPU (the tests) each rank runs one thread on gloo with the CPU stand-ins
+of ``megatron_muon.cpu_stand_ins`` applied; with ``device="cuda"`` (``python -m benchmarks
+--device cuda``) each rank drives GPU ``rank`` over NCCL.
 
 - A rank that raises: its traceback is re-raised in pytest (``RankFailure``), all ranks' errors
   together; ranks stuck in a collective with the failed one are killed.
@@ -12,7 +14,8 @@ each rank, calls ``fn(rank, world_size, *args)`` and returns the per-rank result
   not finish, and every rank is killed.
 
 ``fn`` must be a module-level function (it is pickled by reference). Results travel back through
-``torch.save`` bytes, so tensors and nested containers of them are fine.
+``torch.save`` bytes, so tensors and nested containers of them are fine. The benchmarks
+(``benchmarks/launcher.py``) launch through this same function.
 
 A test that launches ranks (here or through ``tests/torchrun.py``) must carry
 ``@pytest.mark.multirank``: ``pytest -m "not multirank"`` is the single-process selection (the
@@ -28,12 +31,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 120.0
+DeviceT = Literal["cpu", "cuda"]
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -109,6 +113,7 @@ def _rank_entry(
     args: tuple,
     kwargs: dict,
     collective_timeout_s: float,
+    device: DeviceT,
 ) -> None:
     import datetime
 
@@ -118,14 +123,17 @@ def _rank_entry(
 
     try:
         torch.set_num_threads(1)
+        if device == "cuda":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            "nccl" if device == "cuda" else "gloo",
             init_method=f"file://{store_path}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
-        cpu_stand_ins.install()
+        if device == "cpu":
+            cpu_stand_ins.install()
         result = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", _encode(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach pytest
@@ -143,9 +151,13 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
+    device: DeviceT = "cpu",
     **kwargs: Any,
 ) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+    """Runs ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
+
+    ``device``: ``"cpu"`` (gloo, one thread per rank, CPU stand-ins applied) or ``"cuda"`` (NCCL,
+    rank ``r`` on GPU ``r``). ``timeout`` bounds the whole run and each collective.
 
     Returns:
         The ranks' return values, in rank order.
@@ -162,7 +174,7 @@ def run_on_ranks(
     processes = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, rank, world_size, store_path, results, args, kwargs, timeout),
+            args=(fn, rank, world_size, store_path, results, args, kwargs, timeout, device),
             daemon=True,
         )
         for rank in range(world_size)

@@ -33,7 +33,12 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
-from megatron_muon.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.planner import (
+    OwnerPlan,
+    plan_owners,
+    plan_owners_by_bucket,
+    plan_split_owners,
+)
 from megatron_muon.split_newton_schulz import split_newton_schulz
 from tests.harness import RankFailure, run_on_ranks
 
@@ -118,6 +123,26 @@ def test_plan_max_load_is_within_four_thirds_of_the_brute_force_optimum():
         )
         _check_plan_consistent(split, costs, pieces, group_size, 5)
         assert max(split.loads) <= max(owners.loads)  # splitting never makes the plan worse
+
+
+def test_bucketed_plan_balances_every_bucket_and_spreads_small_buckets():
+    # Two buckets of [big, small, small]: the whole-step LPT gives both big matrices to different
+    # ranks and leaves each bucket lopsided; per bucket, each bucket is split evenly.
+    costs = [4, 2, 2, 4, 2, 2]
+    buckets = [[0, 1, 2], [3, 4, 5]]
+    whole = plan_owners(costs, 2)
+    bucketed = plan_owners_by_bucket(costs, 2, buckets)
+    for bucket in buckets:
+        loads = [sum(costs[i] for i in bucket if bucketed.owners[i] == r) for r in range(2)]
+        assert loads == [4, 4]
+    assert max(whole.loads) == max(bucketed.loads) == 8
+    whole_bucket_loads = [
+        [sum(costs[i] for i in b if whole.owners[i] == r) for r in range(2)] for b in buckets
+    ]
+    assert any(max(loads) > 4 for loads in whole_bucket_loads)
+    # Buckets of one matrix each on 4 ranks: each goes to a rank that had nothing yet.
+    single = plan_owners_by_bucket([1, 1, 1, 1], 4, [[0], [1], [2], [3]])
+    assert sorted(single.owners) == [0, 1, 2, 3]
 
 
 def test_split_plan_balances_when_one_matrix_dominates():

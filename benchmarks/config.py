@@ -1,0 +1,80 @@
+"""Sizes and repeat counts of a benchmark run: the full run (``make bench``) and ``--quick``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.models import TransformerShapes
+from benchmarks.training_step import GPTSize
+
+__all__ = ["FULL", "QUICK", "BenchConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """Sizes and repeat counts of one benchmark run."""
+
+    dense: TransformerShapes
+    moe: TransformerShapes
+    dp_sizes: tuple[int, ...]
+    gpt: GPTSize
+    train_dp: int
+    scaling: tuple[TransformerShapes, ...]
+    scaling_dp: int
+    warmup: int
+    repeats: int
+    matmul_size: int
+    bucket_size_bytes: int
+    bucket_sizes: tuple[int | None, ...]
+    ns_methods_argv: tuple[str, ...]
+
+
+FULL = BenchConfig(
+    dense=TransformerShapes(num_layers=8, hidden=512, ffn_hidden=2048),
+    # Fine-grained experts: 8 x 256 = the dense MLP's width (per layer, the same expert weights as
+    # the dense MLP); 4 layers keep the run within its time.
+    moe=TransformerShapes(num_layers=4, hidden=512, ffn_hidden=256, num_experts=8),
+    dp_sizes=(1, 2, 4),
+    gpt=GPTSize(
+        num_layers=8,
+        hidden=512,
+        ffn_hidden=2048,
+        num_heads=8,
+        vocab_size=8192,
+        seq_length=256,
+        micro_batch=2,
+    ),
+    train_dp=2,
+    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (256, 512, 1024)),
+    scaling_dp=2,
+    warmup=1,
+    repeats=3,
+    matmul_size=2048,
+    bucket_size_bytes=4 * 2**20,
+    bucket_sizes=(None, 32 * 2**20, 16 * 2**20, 8 * 2**20, 4 * 2**20),
+    ns_methods_argv=(),
+)
+
+QUICK = BenchConfig(
+    dense=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=256),
+    moe=TransformerShapes(num_layers=2, hidden=64, ffn_hidden=32, num_experts=8),
+    dp_sizes=(1, 2, 4),
+    gpt=GPTSize(
+        num_layers=2,
+        hidden=64,
+        ffn_hidden=256,
+        num_heads=4,
+        vocab_size=512,
+        seq_length=32,
+        micro_batch=2,
+    ),
+    train_dp=2,
+    scaling=tuple(TransformerShapes(1, h, 4 * h) for h in (32, 64, 128)),
+    scaling_dp=2,
+    warmup=1,
+    repeats=2,
+    matmul_size=256,
+    bucket_size_bytes=16 * 2**10,
+    bucket_sizes=(None, 64 * 2**10, 16 * 2**10),
+    ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
+)

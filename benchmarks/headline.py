@@ -1,0 +1,237 @@
+"""The Muon step against its ideal: the four headline ratios, each from repeated measurements.
+
+One repetition measures, in this order and with nothing else running in the benchmark:
+
+1. the bf16 matmul rate of one rank alone (``matmul_rate``, one thread on CPU);
+2. ``ShardedMuon`` in owner mode (its defaults, bucket size included) on Megatron-FSDP row shards
+   of the dense model at DP=2 and at DP=1 (``owner_step``): median step time, NS FLOPs per rank,
+   the transient memory of one step and the full matrices it held at once, and where one
+   profiled step's time went (Newton-Schulz, collectives, copies, the rest);
+3. ``ShardedMuon`` against megatron-core ``TensorParallelMuon`` (and emerging-optimizers ``Muon``)
+   on the same full params at DP=1, stepped in turn (``optimizer_step.stock_comparison``).
+
+From these, per repetition:
+
+- ``step_over_ideal``: the DP=2 owner step over its ideal, the NS FLOPs of the busiest rank at the
+  matmul rate of step 1 (what the step would take if it did nothing but NS matmuls at full speed);
+- ``ours_over_tensor_parallel_muon``: DP=1 ``ShardedMuon`` time over ``TensorParallelMuon``'s;
+- ``transient_over_held``: the owner step's transient memory at DP=2 over the fp32 bytes of full
+  matrices it held at once (``StepStats.peak_full_matrix_bytes``), the largest over ranks;
+- ``dp1_over_dp2``: the DP=1 owner step time over the DP=2 one on the same model.
+
+Each ratio is reported as the median of the repetitions with its range; the machine's load
+average is read before and after.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+from benchmarks.launcher import run_ranks
+from benchmarks.measure import median, time_split, timed
+from benchmarks.models import TransformerShapes
+from benchmarks.optimizer_step import (
+    MUON_KWARGS,
+    matmul_rate,
+    peak_step_memory,
+    sharded_params,
+    stock_comparison,
+)
+
+__all__ = ["RATIOS", "headline_section", "owner_step"]
+
+# name -> (what it is, target as (comparison, bound))
+RATIOS = {
+    "step_over_ideal": ("Muon optimizer step / ideal, DP=2", ("<=", 1.3)),
+    "ours_over_tensor_parallel_muon": (
+        "DP=1: ShardedMuon / megatron-core TensorParallelMuon",
+        ("<=", 1.02),
+    ),
+    "transient_over_held": (
+        "owner step transient memory / full matrices held at once, DP=2",
+        ("<=", 2.0),
+    ),
+    "dp1_over_dp2": ("owner step DP=1 time / DP=2 time (speedup)", (">=", 1.8)),
+}
+
+
+def _profiler_scopes() -> dict[str, str]:
+    """The optimizer's profiler scopes the time split reads: ``{part: scope name}``."""
+    from megatron_muon.exchange import COLLECTIVE_SCOPE
+    from megatron_muon.ns_runner import NS_SCOPE
+
+    return {"newton_schulz": NS_SCOPE, "collectives": COLLECTIVE_SCOPE}
+
+
+def owner_step(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: TransformerShapes,
+    warmup: int,
+    repeats: int,
+) -> dict:
+    """One rank's owner-mode ``ShardedMuon`` step on Megatron-FSDP row shards of ``shapes``.
+
+    Returns:
+        ``seconds`` (median of ``repeats`` timed steps after ``warmup``), ``stats`` (the last
+        step's ``StepStats``), ``transient_bytes`` (peak live tensor bytes above the step's start;
+        GPU: ``max_memory_allocated``), ``split`` (one profiled step's seconds by part; CPU only).
+    """
+    from megatron_muon import ShardedMuon
+
+    params = sharded_params(shapes, world_size, device)
+    optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
+    for _ in range(warmup):
+        optimizer.step()
+    seconds = median([timed(optimizer.step, device) for _ in range(repeats)])
+    stats = asdict(optimizer.step_stats)
+    split = None
+    if device == "cpu":
+        dist.barrier()
+        split = time_split(optimizer.step, _profiler_scopes())
+        dist.barrier()
+    transient = peak_step_memory({"owner": optimizer}, device)["owner"]
+    return {"seconds": seconds, "stats": stats, "transient_bytes": transient, "split": split}
+
+
+def _repetition(shapes: TransformerShapes, device: str, warmup: int, repeats: int, size: int):
+    """One repetition's measurements and ratios (module docstring)."""
+    (rate,) = run_ranks(matmul_rate, 1, device, size, repeats)
+    dp2 = run_ranks(owner_step, 2, device, shapes, warmup, repeats)
+    (dp1,) = run_ranks(owner_step, 1, device, shapes, warmup, repeats)
+    (stock,) = run_ranks(stock_comparison, 1, device, shapes, warmup, repeats)
+    dp2_s = max(r["seconds"] for r in dp2)
+    ns_flops = max(r["stats"]["ns_flops"] for r in dp2)
+    ideal_s = ns_flops / rate["flops_per_s"]
+    stock_s = stock["seconds"]
+    splits = [r["split"] for r in dp2 if r["split"] is not None]
+    return {
+        "matmul_flops_per_s": rate["flops_per_s"],
+        "dp2_step_s": dp2_s,
+        "dp1_step_s": dp1["seconds"],
+        "ns_flops_per_rank_max": ns_flops,
+        "ideal_s": ideal_s,
+        "transient_bytes": [r["transient_bytes"] for r in dp2],
+        "held_bytes": [r["stats"]["peak_full_matrix_bytes"] for r in dp2],
+        "bytes_sent_max": max(r["stats"]["bytes_sent"] for r in dp2),
+        "dp1_transient_bytes": dp1["transient_bytes"],
+        "dp1_held_bytes": dp1["stats"]["peak_full_matrix_bytes"],
+        # Mean over ranks of each part of one profiled DP=2 step, and DP=1's.
+        "dp2_split": {k: statistics.fmean(s[k] for s in splits) for k in splits[0]}
+        if splits
+        else None,
+        "dp1_split": dp1["split"],
+        "stock_s": stock_s,
+        "ratios": {
+            "step_over_ideal": dp2_s / ideal_s,
+            "ours_over_tensor_parallel_muon": stock_s["ours"] / stock_s["tensor_parallel_muon"],
+            "transient_over_held": max(
+                r["transient_bytes"] / max(1, r["stats"]["peak_full_matrix_bytes"]) for r in dp2
+            ),
+            "dp1_over_dp2": dp1["seconds"] / dp2_s,
+        },
+    }
+
+
+def _verdict(value: float, target: tuple[str, float]) -> bool:
+    op, bound = target
+    return value <= bound if op == "<=" else value >= bound
+
+
+def headline_section(
+    shapes: TransformerShapes,
+    device: str,
+    warmup: int,
+    repeats: int,
+    matmul_size: int,
+    num_repetitions: int = 3,
+) -> dict:
+    """The headline ratios from ``num_repetitions`` repetitions (module docstring)."""
+    load_before = os.getloadavg()
+    repetitions = [
+        _repetition(shapes, device, warmup, repeats, matmul_size) for _ in range(num_repetitions)
+    ]
+    load_after = os.getloadavg()
+    ratios = {}
+    for name, (label, target) in RATIOS.items():
+        values = [r["ratios"][name] for r in repetitions]
+        middle = statistics.median(values)
+        ratios[name] = {
+            "label": label,
+            "target": list(target),
+            "median": middle,
+            "min": min(values),
+            "max": max(values),
+            "values": values,
+            "holds": _verdict(middle, target),
+        }
+    return {
+        "model": shapes.describe(),
+        "num_repetitions": num_repetitions,
+        "steps_per_figure": repeats,
+        "matmul_size": matmul_size,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "ratios": ratios,
+        "repetitions": repetitions,
+    }
+
+
+def _range(values: list[float], digits: int = 2) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def format_headline(section: dict) -> list[str]:
+    """The headline ratios side by side and the DP=2 step's time split, as Markdown lines."""
+    n = section["num_repetitions"]
+    before = ", ".join(f"{x:.2f}" for x in section["load_average_before"])
+    after = ", ".join(f"{x:.2f}" for x in section["load_average_after"])
+    lines = [
+        f"**Headline ratios** ({section['model']}; each the median of {n} repetitions; every "
+        f"time the median of {section['steps_per_figure']} steps; load average "
+        f"before {before}, after {after})",
+        "",
+        "| ratio | target | median | range | each repetition | holds |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for ratio in section["ratios"].values():
+        op, bound = ratio["target"]
+        values = ", ".join(f"{v:.3f}" for v in ratio["values"])
+        lines.append(
+            f"| {ratio['label']} | {op} {bound} | **{ratio['median']:.3f}** | "
+            f"{_range(ratio['values'], 3)} | {values} | {'yes' if ratio['holds'] else 'no'} |"
+        )
+    reps = section["repetitions"]
+    rates = [r["matmul_flops_per_s"] / 1e12 for r in reps]
+    ideal = [r["ideal_s"] for r in reps]
+    lines += [
+        "",
+        f"Ideal DP=2 step: {reps[0]['ns_flops_per_rank_max'] / 1e9:.1f} GFLOP of NS on the "
+        f"busiest rank at the bf16 matmul rate measured in each repetition "
+        f"({section['matmul_size']}^3, one rank alone: {_range(rates, 3)} TFLOP/s) = "
+        f"{_range(ideal, 3)} s.",
+        "",
+    ]
+    parts = ("newton_schulz", "collectives", "copies", "other", "total")
+    rows = []
+    for label, key in (("DP=2", "dp2_split"), ("DP=1", "dp1_split")):
+        splits = [r[key] for r in reps if r[key] is not None]
+        if splits:
+            cells = [f"{statistics.median(s[p] for s in splits):.3f}" for p in parts]
+            rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    if rows:
+        lines += [
+            "Where one profiled owner step's time goes (seconds, mean over ranks, median over "
+            "repetitions; copies: copy operators outside Newton-Schulz and the collectives; "
+            "collectives: time inside them, transfer and waiting for peers):",
+            "",
+            "| owner step | Newton-Schulz | collectives | copies | other | total |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    return lines
