@@ -9,10 +9,11 @@ rows; only Newton-Schulz (NS) needs the full matrix. One step is:
    weight decay and the momentum update to its own rows;
 2. the 2-D matrices go through NS by the static plan (``step_plan``, built once from shapes and
    row layouts) run by the owner pipeline (``owner_pipeline``): ``mode="owner"`` (default) brings
-   each matrix to its owner rank(s) with one packed all_to_all per bucket and returns each holder
-   its rows; ``mode="gather"`` (a reference) all_gathers and orthogonalizes every matrix on every
-   rank. 3-D expert tensors ``(E, out, in)`` are sharded by whole experts: each rank
-   orthogonalizes its own experts with no communication (``ns_runner``);
+   each matrix to its owner rank(s) with one batch of point-to-point messages per bucket, straight
+   into the full matrices, and returns each holder its rows the same way; ``mode="gather"`` (a
+   reference) all_gathers and orthogonalizes every matrix on every rank. 3-D expert tensors
+   ``(E, out, in)`` are sharded by whole experts: each rank orthogonalizes its own experts with no
+   communication (``ns_runner``);
 3. each rank updates its own rows in place (placements and global shape untouched).
 
 Orthogonalization semantics are megatron-core ``TensorParallelMuon``'s (scale modes, coefficient

@@ -15,10 +15,10 @@ memory, and collectives entered in one step.
   dummy matrices that are orthogonalized too; one all_to_all each way per batch moves even
   ``Shard(0)`` pieces (dion's own layout, in bf16 as dion sends them).
 - ``ours``: ``planner.plan_split_owners`` (the owner plan, with the largest matrices' NS split over
-  small rank blocks where one owner cannot balance); one packed all_to_all each way per exchange
-  bucket (``ShardedMuon``) plus one small all_reduce of grad flags, plus the split NS collectives
-  among each block (one ``split_scaled_orthogonalize`` call per piece, as ``ShardedMuon`` runs
-  them).
+  small rank blocks where one owner cannot balance); one batch of point-to-point messages each
+  way per exchange bucket (``ShardedMuon``'s exchange) plus one small all_reduce of grad flags,
+  plus the split NS collectives among each block (one ``split_scaled_orthogonalize`` call per
+  piece, as ``ShardedMuon`` runs them).
 
 Byte counts: the owner exchange moves fp32 rows (as ``ShardedMuon`` does); collectives count what
 one rank puts on the wire for a ring algorithm (all_gather of ``n`` chunks: ``n - 1`` chunks out and
@@ -257,7 +257,7 @@ def _owner_exchange(
                 )
         peak = np.maximum(peak, staged + held)
     sent += split_bytes
-    # grad-flag all_reduce, then per bucket one all_to_all there and one back
+    # grad-flag all_reduce, then per bucket one batch of messages there and one back
     collectives = _zeros(group) + 1 + 2 * len(buckets) + split_collectives
     useful = sum(group.cost(i) for i in range(len(group.matrices)))
     return GroupCost(
