@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-oldest test-torch-2.11 demo bench lint clean
+.PHONY: venv test test-oldest test-torch-2.11 demo bench bench-peers-deps lint clean
 
 venv:
 	@bash scripts/setup_venv.sh
@@ -23,8 +23,15 @@ test-torch-2.11:
 demo: venv
 	$(PY) -m megatron_muon.demo
 
-bench: venv
+bench: venv bench-peers-deps
 	$(PY) -m benchmarks
+
+# The peers `make bench` compares with (docs/benchmarks.md, "Peers"): bench extras, never install
+# requirements of megatron-muon. --no-deps: each would otherwise pull its own torch; what they import
+# beyond torch is listed here (spmd_types for torchtitan's flex_shard).
+PEERS := muon-fsdp2==0.3.0 muonium==0.2.0 torchtitan==0.3.0 spmd-types==0.3.1
+bench-peers-deps: venv
+	$(PY) -m pip install -q --no-deps $(PEERS)
 
 # ruff (lint and format) on all code, mypy on the package ([tool.mypy] in pyproject.toml), then the
 # size limits (module <= 400 lines, class <= 300) and `type: ignore[code]  # reason`

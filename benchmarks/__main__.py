@@ -46,6 +46,7 @@ from benchmarks import ns_batching, ns_methods
 from benchmarks.buckets import bucket_section
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
+from benchmarks.ideal_ratio import ideal_ratio_section, plot_ideal_ratio
 from benchmarks.launcher import run_ranks
 from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
@@ -311,6 +312,18 @@ def main(argv: list[str] | None = None) -> int:
         "training_step", training_step_section, config, args.device
     )
     results["training_step"] = training
+    ideal = timed_section(
+        "ideal_ratio",
+        ideal_ratio_section,
+        config.gpt,
+        config.ideal_ratio_micro_batches,
+        config.train_dp,
+        args.device,
+        config.warmup,
+        config.repeats,
+    )
+    ideal["plot"] = plot_ideal_ratio(ideal, out_dir)
+    results["ideal_ratio"] = ideal
     results["memory"] = {
         "training_step": training_memory,
         "exchange_transient": exchange_transient_section(results["optimizer_step"], args.device),

@@ -27,6 +27,8 @@ class BenchConfig:
     bucket_size_bytes: int
     bucket_sizes: tuple[int | None, ...]
     ns_methods_argv: tuple[str, ...]
+    # Micro-batch sizes of the ideal-ratio sweep (benchmarks.ideal_ratio), at gpt's seq_length.
+    ideal_ratio_micro_batches: tuple[int, ...]
 
 
 FULL = BenchConfig(
@@ -53,6 +55,8 @@ FULL = BenchConfig(
     bucket_size_bytes=4 * 2**20,
     bucket_sizes=(None, 32 * 2**20, 16 * 2**20, 8 * 2**20, 4 * 2**20),
     ns_methods_argv=(),
+    # 512, 2048 and 4096 tokens per rank (8192 would add ~3 min on 2 CPU cores).
+    ideal_ratio_micro_batches=(2, 8, 16),
 )
 
 QUICK = BenchConfig(
@@ -77,4 +81,5 @@ QUICK = BenchConfig(
     bucket_size_bytes=16 * 2**10,
     bucket_sizes=(None, 64 * 2**10, 16 * 2**10),
     ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
+    ideal_ratio_micro_batches=(1, 2, 4),
 )
