@@ -8,8 +8,8 @@ can do against an AdamW step on the same model and tokens is
 
 which tends to 1 as tokens per step grow (forward+backward grows with tokens, NS does not). The
 section measures Muon/AdamW whole-step time at several tokens per rank (micro-batch sizes of the
-same ``GPTModel``), divides each by its ideal, and plots both curves to ``bench_out/ideal_ratio.png``
-(matplotlib, when it is installed; the JSON says when it is not).
+same ``GPTModel``), divides each by its ideal, and plots both curves to
+``bench_out/ideal_ratio.png`` (matplotlib, when it is installed; the JSON says when it is not).
 
 NS FLOPs come from the run (``ShardedMuon``'s step statistics, max over ranks); forward+backward
 FLOPs are counted from the model's shapes (:func:`forward_backward_flops`).
@@ -31,9 +31,10 @@ def forward_backward_flops(size: GPTSize) -> int:
 
     Per token: 2 FLOPs per weight of each linear layer (QKV ``3h^2``, projection ``h^2``, MLP
     ``2 h ffn``, output layer ``V h``) and the attention products (``QK^T`` and ``AV``: ``2 s h``
-    multiply-adds each; the local spec computes the full ``s x s`` scores, the causal mask is applied
-    after). Backward costs twice the forward. Elementwise work (norms, softmax, GELU) is left out,
-    which makes the ideal slightly higher than the truth (a stricter target).
+    multiply-adds each; the local spec computes the full ``s x s`` scores, the causal mask is
+    applied after). Backward costs twice the forward. Elementwise work (norms, softmax, GELU) is
+    left out: the count is low by that much, so the ideal is slightly high (a slightly looser
+    target).
     """
     h, s = size.hidden, size.seq_length
     weights = size.num_layers * (4 * h * h + 2 * h * size.ffn_hidden) + size.vocab_size * h
@@ -113,7 +114,7 @@ def plot_ideal_ratio(section: dict, out_dir: Path) -> str:
 
 def counted_forward_backward_flops(rank: int, world_size: int, device: str, size: GPTSize) -> int:
     """Rank function: matmul FLOPs of one forward+backward of the benchmark's ``GPTModel``, as
-    ``torch.utils.flop_counter.FlopCounterMode`` counts them (checks :func:`forward_backward_flops`).
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them (checks ``forward_backward_flops``).
     """
     from torch.utils.flop_counter import FlopCounterMode
 

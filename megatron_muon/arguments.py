@@ -20,6 +20,8 @@ megatron-muon's flags (each maps to one keyword of ``megatron_muon.ShardedMuon``
   ``--muon-fp32-matmul-prec medium``.
 - ``--muon-gram-restarts N [N ...]`` (default restarts): Gram NS restart iterations.
 - ``--muon-offload-momentum``: keep Muon momentum in CPU memory between steps.
+- ``--[no-]muon-fsdp-overlap-buckets`` (off): owner mode: exchange the next bucket while this one
+  runs NS (two buckets' full matrices held at once).
 
 Choices and defaults come from the options' ``Literal`` aliases and ``MuonFsdpConfig``'s defaults;
 ``MuonFsdpConfig.from_args(args)`` turns parsed args into those keywords, and
@@ -114,6 +116,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-offload-momentum",
         action="store_true",
         help="Keep Muon momentum in CPU memory between optimizer steps.",
+    )
+    group.add_argument(
+        "--muon-fsdp-overlap-buckets",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.overlap_buckets,
+        help="Owner mode: exchange the next bucket while this one runs Newton-Schulz "
+        "(two buckets' full matrices held at once; the same updates).",
     )
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).

@@ -49,6 +49,7 @@ _FLAG_ATTRIBUTES = {
     "gram_half_dtype": "muon_gram_half_dtype",
     "gram_restarts": "muon_gram_restarts",
     "offload_momentum": "muon_offload_momentum",
+    "overlap_buckets": "muon_fsdp_overlap_buckets",
 }
 
 
@@ -127,6 +128,8 @@ class MuonFsdpConfig:
             (``"float16"`` or ``"bfloat16"``; fp32 under "high"/"highest").
         gram_restarts: Gram NS restart iterations (None: ``default_gram_restarts``).
         offload_momentum: keep Muon momentum in CPU memory between steps.
+        overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (two buckets'
+            full matrices held at once instead of one; bitwise the same updates).
         qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.qk_clip.QKClip``) applied to every
             megatron-core ``SelfAttention`` of the model after each step; None = off. Not a
             ``ShardedMuon`` keyword: the factory builds the ``QKClip`` and the step wrapper runs it.
@@ -138,6 +141,7 @@ class MuonFsdpConfig:
     gram_half_dtype: GramHalfDtypeT = "float16"
     gram_restarts: tuple[int, ...] | None = None
     offload_momentum: bool = False
+    overlap_buckets: bool = False
     qk_clip_threshold: float | None = None
 
     def __post_init__(self) -> None:
@@ -187,6 +191,7 @@ class MuonFsdpConfig:
             "gram_half_dtype": self.gram_half_dtype,
             "gram_restarts": self.gram_restarts,
             "offload_momentum": self.offload_momentum,
+            "overlap_buckets": self.overlap_buckets,
         }
 
 

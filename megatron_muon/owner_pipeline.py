@@ -17,8 +17,11 @@ How rows travel depends on the data-parallel group ``group`` and the mode:
   into the full matrices) and the results back, one bucket after the other, so that one bucket's
   full matrices (``bucket_size_bytes``) are all that is held at once, as that bound promises: each
   input is freed as its NS finishes, each result once its rows have reached their holders. While
-  the messages travel the rank copies the rows it keeps itself. (Overlapping the next bucket's
-  exchange with this bucket's NS would hold two buckets at once.)
+  the messages travel the rank copies the rows it keeps itself. With ``overlap_buckets`` the
+  rows of bucket k+1 travel to their owners while bucket k runs NS (bucket k-1's results are back
+  before bucket k+1's receive buffers are made), so two buckets' full matrices are held at once,
+  never more; the arithmetic is the same, so the updates are bitwise those of the sequential
+  pipeline.
 
 Every rank enters every collective of every bucket, whether it holds rows of its matrices or not.
 The exchanges (their pack/unpack maps) are built once per set of active matrices and kept.
@@ -51,6 +54,7 @@ class BucketRuntime:
         mode: ``"owner"`` or ``"gather"``.
         group: the data-parallel process group (``None``: the default group).
         num_ranks: ranks in ``group`` (1: no exchange).
+        overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (module docstring).
 
     Creates a process group per rank block that splits a matrix's NS and includes this rank
     (``create_split_groups``: collective over the block's ranks).
@@ -62,8 +66,10 @@ class BucketRuntime:
         mode: FsdpModeT,
         group: dist.ProcessGroup | None,
         num_ranks: int,
+        overlap_buckets: bool = False,
     ) -> None:
         self.plan = plan
+        self.overlap_buckets = overlap_buckets
         self.mode = mode
         self.group = group
         self.num_ranks = num_ranks
@@ -112,6 +118,8 @@ class BucketRuntime:
         elif self.mode == "gather":
             for bucket, local in zip(buckets, rows, strict=True):
                 self._gather(bucket, local, compute, finalize, stats)
+        elif self.overlap_buckets:
+            self._owner_pipeline_overlapped(buckets, rows, compute, finalize, stats)
         else:
             self._owner_pipeline(buckets, rows, compute, finalize, stats)
 
@@ -164,6 +172,31 @@ class BucketRuntime:
             returning = exchange.start_scatter_from_owners(results, stats)
             del blocks, results  # each freed once its messages are done
             self._finalize(bucket, exchange.finish(returning), finalize)
+
+    def _owner_pipeline_overlapped(self, buckets, rows, compute: NSRunner, finalize, stats) -> None:
+        """Owner-compute with the next bucket's rows in flight during this bucket's NS: finish
+        bucket k's rows in, finish bucket k-1's results back (and apply them), start bucket k+1's
+        rows in, NS of bucket k, start its results back. At most two buckets' full matrices are
+        alive at once (k's and k+1's receive buffers)."""
+        device = rows[0][0].device
+        exchanges = [self._owner_exchange(bucket, device) for bucket in buckets]
+        incoming = exchanges[0].start_gather_to_owners(rows[0], stats)
+        returning = None
+        for k, bucket in enumerate(buckets):
+            blocks = exchanges[k].finish(incoming)
+            if returning is not None:
+                self._finalize(buckets[k - 1], exchanges[k - 1].finish(returning), finalize)
+                returning = None
+            held = list(blocks.values())
+            if k + 1 < len(buckets):
+                incoming = exchanges[k + 1].start_gather_to_owners(rows[k + 1], stats)
+                held += list(incoming.output.values())  # the next bucket's receive buffers
+            stats.note_held(held)
+            results = self._compute_blocks(self._plans(bucket), blocks, compute)
+            returning = exchanges[k].start_scatter_from_owners(results, stats)
+            del blocks, results  # each freed once its messages are done
+        assert returning is not None  # run() passes non-empty buckets only
+        self._finalize(buckets[-1], exchanges[-1].finish(returning), finalize)
 
     def _compute_blocks(
         self,

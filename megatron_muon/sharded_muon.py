@@ -96,7 +96,9 @@ class _Plan:
             params=params,
             step_plan=step_plan,
             experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(step_plan, muon.mode, muon.dp_group, num_ranks),
+            runtime=BucketRuntime(
+                step_plan, muon.mode, muon.dp_group, num_ranks, muon.overlap_buckets
+            ),
         )
 
 
@@ -114,6 +116,9 @@ class ShardedMuon(TensorParallelMuon):
             peak extra memory; buckets are exchanged and orthogonalized one after the other);
             ``None`` exchanges all matrices in one bucket. Default: 16 MiB
             (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
+        overlap_buckets: owner mode: the next bucket's rows travel while this bucket runs NS
+            (``owner_pipeline``): up to two buckets' full matrices held at once; bitwise the same
+            updates. Default off until measured (docs/benchmarks.md, "Overlap").
         ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``), e.g.
             ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz).
         custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
@@ -164,6 +169,7 @@ class ShardedMuon(TensorParallelMuon):
         dp_group: dist.ProcessGroup | None = None,
         mode: FsdpModeT = "owner",
         bucket_size_bytes: int | None = DEFAULT_BUCKET_SIZE_BYTES,
+        overlap_buckets: bool = False,
         ns_method: NSMethodT = "standard",
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
         gram_restarts: tuple[int, ...] | None = None,
@@ -232,6 +238,7 @@ class ShardedMuon(TensorParallelMuon):
         self.dp_group = dp_group
         self.mode: FsdpModeT = mode
         self.bucket_size_bytes = bucket_size_bytes
+        self.overlap_buckets = overlap_buckets
         self.offload_momentum = offload_momentum
         self.min_split_flops = min_split_flops
         self.step_stats = StepStats()

@@ -265,6 +265,32 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _run_overlap(rank: int, world_size: int, overlap: bool) -> dict:
+    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
+
+    shapes = [(64, 32)] * 6 + [(32, 96)] * 3
+    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
+    bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices: three buckets or more
+    kwargs = {"bucket_size_bytes": bucket, "overlap_buckets": overlap}
+    return _run_constructed_splits(
+        rank, world_size, shapes, splits, "owner", 2, sharded_only=kwargs
+    ) | {"bucket": bucket}
+
+
+def test_overlapped_buckets_give_bitwise_the_sequential_update_holding_at_most_two_buckets():
+    sequential = run_on_ranks(_run_overlap, 2, False)
+    overlapped = run_on_ranks(_run_overlap, 2, True)
+    for seq, over in zip(sequential, overlapped, strict=True):
+        assert over["errors"]["param"] <= TOLERANCE
+        # Same arithmetic in the same order, only the messages' timing differs: bitwise equal.
+        for a, b in zip(seq["locals"], over["locals"], strict=True):
+            assert torch.equal(a, b)
+        assert seq["stats"].peak_full_matrix_bytes <= over["bucket"]
+        # More than one bucket was held at once (the overlapped pipeline ran), never more than two.
+        assert seq["stats"].peak_full_matrix_bytes < over["stats"].peak_full_matrix_bytes
+        assert over["stats"].peak_full_matrix_bytes <= 2 * over["bucket"]
+
+
 # --------------------------------------------------------------------------------------------------
 # HSDP layouts made by megatron_fsdp itself (outer no_shard and outer optim, 2 x 2 ranks)
 # --------------------------------------------------------------------------------------------------

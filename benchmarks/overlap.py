@@ -1,0 +1,82 @@
+"""Overlap of the owner exchange with Newton-Schulz: ``overlap_buckets`` on vs off.
+
+``ShardedMuon(overlap_buckets=True)`` sends bucket k+1's rows to their owners while bucket k runs
+NS (``megatron_muon.owner_pipeline``), holding two buckets' full matrices instead of one. This
+section steps both pipelines on the same Megatron-FSDP row shards of the dense model, in turn, at
+each DP size of the run, with the default bucket size, and reports median step time, transient
+memory (peak live tensor bytes above the step's start) and the full matrices held at once. The
+default of ``overlap_buckets`` is chosen from these figures (docs/benchmarks.md, "Overlap").
+"""
+
+from __future__ import annotations
+
+from benchmarks.launcher import run_ranks
+from benchmarks.models import TransformerShapes
+from benchmarks.optimizer_step import (
+    MUON_KWARGS,
+    peak_step_memory,
+    sharded_params,
+    time_alternating,
+)
+
+__all__ = ["overlap_pair", "overlap_section"]
+
+PIPELINES = {"sequential": False, "overlapped": True}
+
+
+def overlap_pair(
+    rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
+) -> dict:
+    """One rank's owner-mode ``ShardedMuon`` with and without ``overlap_buckets``, same shards.
+
+    Returns:
+        ``{"sequential" | "overlapped": {"seconds", "transient_bytes", "held_bytes"}}``.
+    """
+    from megatron_muon import ShardedMuon
+
+    params = sharded_params(shapes, world_size, device)
+    optimizers = {
+        name: ShardedMuon(params, mode="owner", overlap_buckets=overlap, **MUON_KWARGS)
+        for name, overlap in PIPELINES.items()
+    }
+    seconds = time_alternating(optimizers, device, warmup, repeats)
+    memory = peak_step_memory(optimizers, device)
+    return {
+        name: {
+            "seconds": seconds[name],
+            "transient_bytes": memory[name],
+            "held_bytes": optimizer.step_stats.peak_full_matrix_bytes,
+        }
+        for name, optimizer in optimizers.items()
+    }
+
+
+def overlap_section(
+    shapes: TransformerShapes, device: str, dp_sizes: list[int], warmup: int, repeats: int
+) -> dict:
+    """Both pipelines at each DP size >= 2 (slowest rank's time, largest memory over ranks)."""
+    from megatron_muon.config import DEFAULT_BUCKET_SIZE_BYTES, MuonFsdpConfig
+
+    by_dp = {}
+    for dp in [dp for dp in dp_sizes if dp >= 2]:
+        per_rank = run_ranks(overlap_pair, dp, device, shapes, warmup, repeats)
+        entry = {
+            name: {
+                field: max(r[name][field] for r in per_rank)
+                for field in ("seconds", "transient_bytes", "held_bytes")
+            }
+            for name in PIPELINES
+        }
+        entry["overlapped_over_sequential_s"] = (
+            entry["overlapped"]["seconds"] / entry["sequential"]["seconds"]
+        )
+        entry["overlapped_over_sequential_transient"] = entry["overlapped"][
+            "transient_bytes"
+        ] / max(1, entry["sequential"]["transient_bytes"])
+        by_dp[str(dp)] = entry
+    return {
+        "model": shapes.describe(),
+        "bucket_size_bytes": DEFAULT_BUCKET_SIZE_BYTES,
+        "default_overlap_buckets": MuonFsdpConfig().overlap_buckets,
+        "by_dp": by_dp,
+    }
