@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         config.dense,
         args.device,
         dp_sizes,
+        config.overlap_bucket_size_bytes,
         config.warmup,
         config.repeats,
     )

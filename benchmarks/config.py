@@ -29,6 +29,8 @@ class BenchConfig:
     ns_methods_argv: tuple[str, ...]
     # Micro-batch sizes of the ideal-ratio sweep (benchmarks.ideal_ratio), at gpt's seq_length.
     ideal_ratio_micro_batches: tuple[int, ...]
+    # Bucket size of the overlap section (benchmarks.overlap): several buckets of the dense model.
+    overlap_bucket_size_bytes: int
 
 
 FULL = BenchConfig(
@@ -57,6 +59,7 @@ FULL = BenchConfig(
     ns_methods_argv=(),
     # 512, 2048 and 4096 tokens per rank (8192 would add ~3 min on 2 CPU cores).
     ideal_ratio_micro_batches=(2, 8, 16),
+    overlap_bucket_size_bytes=16 * 2**20,  # ShardedMuon's default: 6 buckets of the dense model
 )
 
 QUICK = BenchConfig(
@@ -82,4 +85,5 @@ QUICK = BenchConfig(
     bucket_sizes=(None, 64 * 2**10, 16 * 2**10),
     ns_methods_argv=("--k", "64", "--ratios", "1", "4", "--experts", "2", "--repeats", "2"),
     ideal_ratio_micro_batches=(1, 2, 4),
+    overlap_bucket_size_bytes=16 * 2**10,
 )

@@ -55,6 +55,10 @@ REQUIRED_FIGURES = (
     "matmul_peak.flops_per_s",
     "ns_methods",
     "ns_batching",
+    "ideal_ratio.rows",
+    "ideal_ratio.largest_tokens_measured_over_ideal",
+    "overlap.by_dp.*.overlapped_over_sequential_s",
+    "overlap.by_dp.*.overlapped_over_sequential_transient",
 )
 
 

@@ -3,7 +3,7 @@
 ``ShardedMuon(overlap_buckets=True)`` sends bucket k+1's rows to their owners while bucket k runs
 NS (``megatron_muon.owner_pipeline``), holding two buckets' full matrices instead of one. This
 section steps both pipelines on the same Megatron-FSDP row shards of the dense model, in turn, at
-each DP size of the run, with the default bucket size, and reports median step time, transient
+each DP size of the run, with the run's bucket size, and reports median step time, transient
 memory (peak live tensor bytes above the step's start) and the full matrices held at once. The
 default of ``overlap_buckets`` is chosen from these figures (docs/benchmarks.md, "Overlap").
 """
@@ -25,7 +25,13 @@ PIPELINES = {"sequential": False, "overlapped": True}
 
 
 def overlap_pair(
-    rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: TransformerShapes,
+    bucket_size_bytes: int,
+    warmup: int,
+    repeats: int,
 ) -> dict:
     """One rank's owner-mode ``ShardedMuon`` with and without ``overlap_buckets``, same shards.
 
@@ -36,7 +42,13 @@ def overlap_pair(
 
     params = sharded_params(shapes, world_size, device)
     optimizers = {
-        name: ShardedMuon(params, mode="owner", overlap_buckets=overlap, **MUON_KWARGS)
+        name: ShardedMuon(
+            params,
+            mode="owner",
+            bucket_size_bytes=bucket_size_bytes,
+            overlap_buckets=overlap,
+            **MUON_KWARGS,
+        )
         for name, overlap in PIPELINES.items()
     }
     seconds = time_alternating(optimizers, device, warmup, repeats)
@@ -52,14 +64,19 @@ def overlap_pair(
 
 
 def overlap_section(
-    shapes: TransformerShapes, device: str, dp_sizes: list[int], warmup: int, repeats: int
+    shapes: TransformerShapes,
+    device: str,
+    dp_sizes: list[int],
+    bucket_size_bytes: int,
+    warmup: int,
+    repeats: int,
 ) -> dict:
     """Both pipelines at each DP size >= 2 (slowest rank's time, largest memory over ranks)."""
-    from megatron_muon.config import DEFAULT_BUCKET_SIZE_BYTES, MuonFsdpConfig
+    from megatron_muon.config import MuonFsdpConfig
 
     by_dp = {}
     for dp in [dp for dp in dp_sizes if dp >= 2]:
-        per_rank = run_ranks(overlap_pair, dp, device, shapes, warmup, repeats)
+        per_rank = run_ranks(overlap_pair, dp, device, shapes, bucket_size_bytes, warmup, repeats)
         entry = {
             name: {
                 field: max(r[name][field] for r in per_rank)
@@ -76,7 +93,7 @@ def overlap_section(
         by_dp[str(dp)] = entry
     return {
         "model": shapes.describe(),
-        "bucket_size_bytes": DEFAULT_BUCKET_SIZE_BYTES,
+        "bucket_size_bytes": bucket_size_bytes,
         "default_overlap_buckets": MuonFsdpConfig().overlap_buckets,
         "by_dp": by_dp,
     }
