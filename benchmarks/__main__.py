@@ -51,6 +51,7 @@ from benchmarks.launcher import run_ranks
 from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.overlap import overlap_section
+from benchmarks.peers import peers_section
 from benchmarks.report import ANCHOR, format_markdown, format_report, missing_figures
 from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
 
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         config.warmup,
         config.repeats,
     )
+    results["peers"] = timed_section("peers", peers_section, config.dense, args.device, dp_sizes)
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
     shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
     results["ns_batching"] = timed_section("ns_batching", ns_batching.batching_rows, shapes)
