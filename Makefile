@@ -3,13 +3,26 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-oldest test-torch-2.11 demo bench lint clean gpu-wheels
+.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench lint clean gpu-wheels
 
 venv:
 	@bash scripts/setup_venv.sh
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The multi-rank parity tests again with the CPU kernels limited to AVX2, as on a CPU without
+# AVX-512 (e.g. AMD Zen 3): each variable changes kernels torch picks (ATEN_CPU_CAPABILITY: aten's
+# vectorized ops such as softmax; ONEDNN_MAX_CPU_ISA: bf16 matmuls; MKL_ENABLE_INSTRUCTIONS: fp32
+# matmuls; scripts/show_cpu_kernels.py shows the bits change). CI's second pass (.ci/run).
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+PARITY_TESTS := tests/test_factory.py tests/test_grad_sync.py tests/test_factory_qk_clip.py \
+	tests/test_gram_newton_schulz_parity.py tests/test_sharded_muon.py \
+	tests/test_sharded_muon_layouts.py tests/test_tensor_parallel.py \
+	tests/test_megatron_lm_loop.py tests/test_megatron_lm_tensor_parallel.py
+test-avx2: venv
+	$(AVX2_ENV) $(PY) scripts/show_cpu_kernels.py
+	$(AVX2_ENV) $(PY) -m pytest $(PARITY_TESTS) $(PYTEST_ARGS)
 
 # The oldest supported torch/megatron-core (constraints-oldest.txt) in .venv-oldest: single-process
 # tests and one 2-rank parity test (scripts/test_oldest.sh; CI's second run).
