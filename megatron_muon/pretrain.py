@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_and_validate_args(
         extra_args_provider=add_pretrain_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
+    _notice_slow_bf16(args)
     if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
         raise ValueError(
             "megatron_muon.pretrain supports tensor and data parallelism (PP = CP = 1)"
@@ -142,6 +143,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(scheduler_mismatch_message(error)) from error
         raise
     _write_outputs(args, log)
+
+
+def _notice_slow_bf16(args: argparse.Namespace) -> None:
+    """Once, on rank 0 of a CPU run: Muon's NS in bf16 on a CPU without bf16 instructions
+    (``megatron_muon.matmul_rates``), and the flag that runs it in fp32."""
+    if torch.cuda.is_available() or int(os.environ.get("RANK", "0")) != 0:
+        return
+    if args.optimizer != "muon" or getattr(args, "muon_fp32_matmul_prec", None) != "medium":
+        return
+    from megatron_muon.matmul_rates import bf16_is_slow, measure_matmul_rates, slow_bf16_message
+
+    rates = measure_matmul_rates()
+    if bf16_is_slow(rates):
+        print(f"[megatron-muon] {slow_bf16_message(rates)}", flush=True)
 
 
 def scheduler_mismatch_message(error: AssertionError) -> str:
