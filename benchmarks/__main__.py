@@ -47,10 +47,14 @@ from benchmarks.buckets import bucket_section
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.launcher import run_ranks
+from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision
 from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.report import ANCHOR, format_markdown, format_report, missing_figures
 from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
+
+# The full run's stated time on 2 CPU cores (about 11 minutes measured with nothing else running).
+STATED_MINUTES = 15
 
 # --------------------------------------------------------------------------------------------------
 # sections
@@ -275,11 +279,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {}
     section_seconds: dict[str, float] = {}
+    results["machine"] = choose_ns_precision(args.device)
+    _print_machine(results["machine"], config)
 
     def timed_section(name: str, fn, *fn_args):
         start = time.monotonic()
+        print(f"[bench] {name} ...", flush=True)
         value = fn(*fn_args)
         section_seconds[name] = time.monotonic() - start
+        print(
+            f"[bench] {name}: {section_seconds[name]:.0f} s "
+            f"(run {time.monotonic() - started:.0f} s of ~{STATED_MINUTES} min)",
+            flush=True,
+        )
         return value
 
     # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
     rates = [r["matmul_flops_per_s"] for r in results["headline"]["repetitions"]]
     results["matmul_peak"] = {
-        "dtype": "bf16",
+        "dtype": results["headline"]["repetitions"][0].get("matmul_dtype", "bfloat16"),
         "size": matmul_size,
         "flops_per_s": statistics.median(rates),
         "measured": "median of the headline repetitions' rates",
@@ -354,6 +366,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_report(results))
     return 0
+
+
+def _print_machine(machine: dict, config: BenchConfig) -> None:
+    """The run's first lines: rates, NS precision and why, sizes, and the notice said once."""
+    rates = machine["rates"]
+    if rates:
+        print(
+            f"[bench] matmul rates (one thread, 512^3): fp32 {rates['fp32'] / 1e9:.1f}, "
+            f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
+    print(f"[bench] NS precision {machine['ns_precision']}: {machine['reason']}", flush=True)
+    print(
+        f"[bench] sizes: dense {config.dense.describe()}; MoE {config.moe.describe()}; DP "
+        f"{list(config.dp_sizes)}; median of {config.repeats} steps after {config.warmup}",
+        flush=True,
+    )
+    print(f"[bench] {LIBRARY_NOTICE}", flush=True)
 
 
 def _fit_ranks(config: BenchConfig, max_ranks: int) -> BenchConfig:

@@ -61,7 +61,10 @@ def _optimizer_config(kind: str, device: str):
         bf16=device == "cuda",
     )
     if kind == "muon":
-        return OptimizerConfig(optimizer="muon", **common)
+        from benchmarks.optimizer_step import MUON_KWARGS
+
+        prec = MUON_KWARGS["fp32_matmul_prec"]
+        return OptimizerConfig(optimizer="muon", muon_fp32_matmul_prec=prec, **common)
     if kind == "adamw":
         return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common)
     raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
