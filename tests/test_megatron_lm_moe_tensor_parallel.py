@@ -139,3 +139,29 @@ def test_resume_at_tp2_ep2_equals_the_uninterrupted_run(runs: Runs) -> None:
     clipped = printed_lines(runs.tp2_ep2, 0, "QK-clip: ")
     resumed = printed_lines(runs.resumed, 0, "QK-clip: ")
     assert resumed == clipped[len(clipped) - len(resumed) :], (resumed, clipped)
+
+
+def test_a_checkpoint_of_another_vocab_padding_is_refused_naming_the_flag(runs: Runs) -> None:
+    # The TP = 2 checkpoint pads 128 tokens to 128 rows (64 x TP 2); Megatron's default (128)
+    # at TP = 2 pads to 256: refused before anything loads, naming the value that loads it.
+    from tests.torchrun import TorchrunFailure
+
+    load = ["--load", str(runs.checkpoint), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
+    divisible_by_128 = [*MOE_FLAGS, "--micro-batch-size", "2", *TP2_EP2_FLAGS[:3], *load]
+    with pytest.raises(TorchrunFailure) as failure:
+        run_megatron(divisible_by_128, nproc=2, timeout=300)
+    message = str(failure.value)
+    assert "CheckpointMismatchError" in message, message[-3000:]
+    assert "holds a vocabulary padded to 128 rows" in message and "this run pads to 256" in message
+    assert "--make-vocab-size-divisible-by 64 makes this run pad to 128" in message
+    assert "iteration        3/" not in message  # nothing trained
+
+
+def test_divisors_padding_to_are_the_flag_values_that_pad_alike() -> None:
+    from megatron_muon.integrations.checkpoint_vocab import divisors_padding_to
+
+    # The case: saved at TP = 2 with the default 128 (256 rows), loaded at TP = 1.
+    assert divisors_padding_to(128, 256, 1) == [256]
+    assert divisors_padding_to(128, 128, 2) == [1, 2, 4, 8, 16, 32, 64]
+    assert divisors_padding_to(100, 128, 2)[-1] == 64
+    assert divisors_padding_to(128, 100, 1) == []
