@@ -59,6 +59,9 @@ _CURRENT_DEVICE_CPU_MODULES = [
     # Expert parallelism's all-to-all: torch.empty(..., device=current_device()) in the gathers,
     # input.new_empty(..., device=current_device()) for the uneven all-to-all's output.
     "megatron.core.tensor_parallel.mappings",
+    # Sequence parallelism's backward: the reduce-scatter's output is torch.empty(...,
+    # device=current_device()) (layers.py:647).
+    "megatron.core.tensor_parallel.layers",
 ]
 
 _FACTORIES = (
