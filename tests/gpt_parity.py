@@ -76,6 +76,17 @@ def optimizer_config(**overrides):
     return OptimizerConfig(**kwargs)
 
 
+# The tiny MLA: 4 heads of query/key 16 + 8 (RoPE), value 16, compressed KV 32; no linear biases.
+MLA_CONFIG = dict(
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=16,
+    rope_type="rope",
+    add_bias_linear=False,
+)
+
+
 def init_megatron(num_distributed_optimizer_instances: int = 1) -> None:
     """megatron-core's process groups (TP=1); 2 optimizer instances = HSDP with 2 replicas."""
     from megatron.core import parallel_state
@@ -87,8 +98,11 @@ def init_megatron(num_distributed_optimizer_instances: int = 1) -> None:
         )
 
 
-def build_gpt(moe: bool = False, **config_overrides) -> torch.nn.Module:
+def build_gpt(moe: bool = False, mla: bool = False, **config_overrides) -> torch.nn.Module:
     """The tiny GPTModel (local spec, 2 layers, hidden 64, 4 heads, vocab 256, seq 32), seed 0.
+
+    ``mla``: Multi-Latent Attention (``MLA_CONFIG``; ``q_lora_rank`` in ``config_overrides``
+    turns on the query's low-rank projection), RoPE positions, no learned position embedding.
 
     ``config_overrides`` go to its ``TransformerConfig`` (e.g. ``tensor_model_parallel_size``,
     ``num_query_groups``); with ``use_cpu_initialization`` every TP rank's partition is its chunk
@@ -115,7 +129,13 @@ def build_gpt(moe: bool = False, **config_overrides) -> torch.nn.Module:
         if moe
         else {}
     )
-    config = TransformerConfig(
+    config_class = TransformerConfig
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class = MLATransformerConfig
+        config_overrides = {**MLA_CONFIG, **config_overrides}
+    config = config_class(
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
@@ -125,7 +145,13 @@ def build_gpt(moe: bool = False, **config_overrides) -> torch.nn.Module:
         **moe_kwargs,
         **config_overrides,
     )
-    spec = get_gpt_layer_local_spec(num_experts=NUM_EXPERTS if moe else None)
+    spec = get_gpt_layer_local_spec(
+        num_experts=NUM_EXPERTS if moe else None, multi_latent_attention=mla
+    )
+    if mla:
+        return GPTModel(
+            config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope"
+        )
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
@@ -280,16 +306,20 @@ class Reference:
 # --------------------------------------------------------------------------------------------------
 
 
-def train(run: Run, rank: int, world_size: int, steps: int, moe: bool = False) -> dict:
-    """Trains a sharded copy and the reference side by side; returns deviations and stats."""
+def train(
+    run: Run, rank: int, world_size: int, steps: int, moe: bool = False, **build_kwargs
+) -> dict:
+    """Trains a sharded copy and the reference side by side; returns deviations and stats.
+
+    ``build_kwargs`` go to ``build_gpt`` (e.g. ``mla=True``), for all three models alike."""
     from megatron_muon import MuonFsdpConfig, build_muon_optimizer
 
-    reference = Reference(build_gpt(moe))  # same seeds: the same initial weights
+    reference = Reference(build_gpt(moe, **build_kwargs))  # same seeds: the same initial weights
     # The same reference, its batch gradient accumulated rank by rank and micro-batch by
     # micro-batch: fp32 reduction order is all it changes (the tests' noise floor).
-    reordered = Reference(build_gpt(moe))
+    reordered = Reference(build_gpt(moe, **build_kwargs))
     num_chunks = world_size * run.num_microbatches
-    model = build_gpt(moe)
+    model = build_gpt(moe, **build_kwargs)
     wrapped = wrap(model, run, world_size)
     named = dict(
         wrapped.named_parameters()

@@ -6,7 +6,8 @@ and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
 What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5):
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
+megatron-core fix 6):
 
 1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
    ``--muon-fsdp-mode`` and the rest) are chained after the caller's ``extra_args_provider``, so
@@ -53,6 +54,9 @@ What ``install()`` patches, and why (four functions, each wrapped, none copied; 
    ``compile_helpers`` runs, so ``pretrain`` stops with "Failed to compile the C++ dataset helper
    functions" on any machine, GPU or not (a packaging matter; from a source checkout of Megatron-LM,
    where the extension is not built, the original runs).
+6. The local core attention takes Multi-Latent Attention's ``k_channels`` / ``v_channels``
+   (``local_core_attention``: a megatron-core 0.19 bug that stops MLA with
+   ``--transformer-impl local`` from building, GPU or not).
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -77,6 +81,7 @@ from typing import Any
 
 import torch
 
+from megatron_muon.integrations import local_core_attention
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
@@ -146,6 +151,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
     use_shipped_dataset_helpers()
+    local_core_attention.patch()
     _INSTALLED = True
 
 
