@@ -5,7 +5,7 @@ the megatron-core wheel. Put ``install()`` at the top of that script (before it 
 and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
-What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
+What ``install()`` patches, and why (five functions, each wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``):
 
 1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
@@ -50,6 +50,9 @@ What ``install()`` patches, and why (four functions, each wrapped, none copied; 
    stops inside the load with a bare size mismatch). Any optimizer: it raises only where Megatron's
    load would fail.
 
+5. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
+   rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
+
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
 (0.19.1 was never published): between them only the version strings, the inference text server,
@@ -73,6 +76,7 @@ from typing import Any
 
 import torch
 
+from megatron_muon.integrations import mla_tensor_parallel
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
@@ -140,6 +144,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
+    mla_tensor_parallel.install()
     _INSTALLED = True
 
 
