@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-oldest test-torch-2.11 demo bench lint clean
+.PHONY: venv test test-oldest test-torch-2.11 demo bench lint clean gpu-wheels
 
 venv:
 	@bash scripts/setup_venv.sh
@@ -25,6 +25,16 @@ demo: venv
 
 bench: venv
 	$(PY) -m benchmarks
+
+# The wheels scripts/gpu_check.sh installs on a bare GPU machine (torch there, no megatron; docs/gpu.md):
+# megatron-core, megatron-fsdp, emerging-optimizers at constraints.txt's versions, for CPython 3.12.
+GPU_WHEELS := megatron-core megatron-fsdp emerging-optimizers
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .whl $(foreach p,$(GPU_WHEELS),$(shell grep -i "^$(p)==" constraints.txt))
+	@ls .whl
 
 # ruff (lint and format) on all code, mypy on the package ([tool.mypy] in pyproject.toml), then the
 # size limits (module <= 400 lines, class <= 300) and `type: ignore[code]  # reason`

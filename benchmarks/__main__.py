@@ -22,8 +22,8 @@ processes; every time is the median of ``repeats`` steps after ``warmup`` steps,
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
 run, not absolute times.
-On GPUs (``--device cuda``, NCCL; bf16 model) it also reports NS TFLOP/s against the measured bf16
-matmul rate, and runs only the DP sizes that fit the visible GPUs (the JSON lists those skipped).
+On a GPU (``--device cuda``) the run is ``benchmarks.gpu_run``'s instead: sizes that mean something
+on an 80 GB card (a 1B+ GPT at seq 4096, NS at hidden 4096-8192), one GPU, its own targets.
 """
 
 from __future__ import annotations
@@ -258,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
+    if args.device == "cuda":
+        from benchmarks import gpu_run
+
+        return gpu_run.main(args.out, quick=args.quick)
     config = QUICK if args.quick else FULL
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

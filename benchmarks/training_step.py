@@ -67,6 +67,13 @@ def _optimizer_config(kind: str, device: str):
     raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
 
 
+def _torch_device(device: str) -> torch.device:
+    """``cuda:<current>`` (Megatron-FSDP warns about a bare ``cuda``) or ``cpu``."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
 class _Trainer:
     """A wrapped GPTModel, its batch, and one optimizer kind on it."""
 
@@ -106,13 +113,19 @@ class _Trainer:
             vocab_size=size.vocab_size,
             max_sequence_length=size.seq_length,
         )
+        if device == "cuda":
+            # bf16 compute weights as Megatron-LM's get_model makes them (with Megatron-FSDP too):
+            # the module cast to bf16, its fp32 inputs cast on the way in.
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             use_megatron_fsdp=True,
             gradient_reduce_div_fusion=False,
         )
         self.wrapped = FullyShardedDataParallel(
-            config, ddp_config, model, device=torch.device(device)
+            config, ddp_config, model, device=_torch_device(device)
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
         optimizer_config = _optimizer_config(kind, device)

@@ -46,7 +46,7 @@ from megatron_muon.integrations import checkpoint_guard, megatron_lm, megatron_l
 from megatron_muon.integrations.megatron_lm_progress import RunLog
 from megatron_muon.pretrain_args import add_pretrain_args, config_flags, config_path, parser
 from megatron_muon.pretrain_data import datasets_provider, forward_step
-from megatron_muon.pretrain_defaults import default_flags
+from megatron_muon.pretrain_defaults import default_flags, has_transformer_engine
 
 __all__ = ["main", "add_pretrain_args", "config_flags", "RunLog", "scheduler_mismatch_message"]
 
@@ -102,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         config_file = config_path(user_flags)
         from_config = config_flags(config_file) if config_file else []
         defaults = default_flags(
-            parser(), [*from_config, *user_flags], has_gpu=torch.cuda.is_available()
+            parser(),
+            [*from_config, *user_flags],
+            has_gpu=torch.cuda.is_available(),
+            has_te=has_transformer_engine(),
         )
     except ValueError as error:
         raise SystemExit(f"megatron_muon.pretrain: error: {error}") from None

@@ -199,8 +199,9 @@ def batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(SEQ).expand(tokens.shape)
-    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    positions = torch.arange(SEQ, device=tokens.device).expand(tokens.shape)
+    ones = torch.ones(SEQ, SEQ, dtype=torch.bool, device=tokens.device)
+    causal = torch.triu(ones, diagonal=1)[None, None]
     losses = model(input_ids=tokens, position_ids=positions, attention_mask=causal, labels=labels)
     return losses.float().mean()
 

@@ -91,8 +91,6 @@ of everything above; ``training_loop``):
   base seed). On a GPU that draw comes from the CPU generator, which dropout (on the CUDA
   generator) never sees; on CPU dropout draws from that generator too, and a resumed run, which
   builds its iterators after the checkpoint's RNG state is restored, would draw different masks.
-- ``megatron.core.datasets.utils.compile_helpers`` -> no-op: the wheel ships the built dataset
-  helpers but not their Makefile (packaging, not CUDA).
 - ``FullyShardedDataParallel(device=None)`` -> ``device=cpu``: the wrapper otherwise places its
   buffers on ``cuda:current_device()``.
 - the device redirect above, extended to the loop's modules
