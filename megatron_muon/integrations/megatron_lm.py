@@ -7,7 +7,7 @@ every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimi
 
 What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
-megatron-core fix 6):
+megatron-core fixes 6 and 7):
 
 1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
    ``--muon-fsdp-mode`` and the rest) are chained after the caller's ``extra_args_provider``, so
@@ -57,6 +57,8 @@ megatron-core fix 6):
 6. The local core attention takes Multi-Latent Attention's ``k_channels`` / ``v_channels``
    (``local_core_attention``: a megatron-core 0.19 bug that stops MLA with
    ``--transformer-impl local`` from building, GPU or not).
+7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
+   rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -81,7 +83,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.integrations import local_core_attention
+from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
@@ -152,6 +154,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
     use_shipped_dataset_helpers()
     local_core_attention.patch()
+    mla_tensor_parallel.install()
     _INSTALLED = True
 
 
