@@ -3,13 +3,31 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-oldest test-torch-2.11 demo bench bench-peers-deps lint clean
+.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers-deps lint clean \
+	gpu-wheels
 
 venv:
 	@bash scripts/setup_venv.sh
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The multi-rank parity tests again with the CPU kernels limited to AVX2, as on a CPU without
+# AVX-512 (e.g. AMD Zen 3): each variable changes kernels torch picks (ATEN_CPU_CAPABILITY: aten's
+# vectorized ops such as softmax; ONEDNN_MAX_CPU_ISA: bf16 matmuls; MKL_ENABLE_INSTRUCTIONS: fp32
+# matmuls; scripts/show_cpu_kernels.py shows the bits change). CI's second pass (.ci/run).
+# TORCHDYNAMO_DISABLE: under the MKL / oneDNN limits the C++ kernel Inductor compiles for Megatron's
+# JIT warm-up (bias_gelu, run and discarded at start-up) aborts the process; nothing the tests
+# compare is compiled code (their flags turn the fusions off).
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	TORCHDYNAMO_DISABLE=1
+PARITY_TESTS := tests/test_factory.py tests/test_grad_sync.py tests/test_factory_qk_clip.py \
+	tests/test_gram_newton_schulz_parity.py tests/test_sharded_muon.py \
+	tests/test_sharded_muon_layouts.py tests/test_tensor_parallel.py tests/test_mla.py \
+	tests/test_megatron_lm_loop.py
+test-avx2: venv
+	$(AVX2_ENV) $(PY) scripts/show_cpu_kernels.py
+	$(AVX2_ENV) $(PY) -m pytest $(PARITY_TESTS) $(PYTEST_ARGS)
 
 # The oldest supported torch/megatron-core (constraints-oldest.txt) in .venv-oldest: single-process
 # tests and one 2-rank parity test (scripts/test_oldest.sh; CI's second run).
@@ -32,6 +50,16 @@ bench: venv bench-peers-deps
 PEERS := muon-fsdp2==0.3.0 muonium==0.2.0 torchtitan==0.3.0 spmd-types==0.3.1
 bench-peers-deps: venv
 	$(PY) -m pip install -q --no-deps $(PEERS)
+
+# The wheels scripts/gpu_check.sh installs on a bare GPU machine (torch there, no megatron; docs/gpu.md):
+# megatron-core, megatron-fsdp, emerging-optimizers at constraints.txt's versions, for CPython 3.12.
+GPU_WHEELS := megatron-core megatron-fsdp emerging-optimizers
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .whl $(foreach p,$(GPU_WHEELS),$(shell grep -i "^$(p)==" constraints.txt))
+	@ls .whl
 
 # ruff (lint and format) on all code, mypy on the package ([tool.mypy] in pyproject.toml), then the
 # size limits (module <= 400 lines, class <= 300) and `type: ignore[code]  # reason`

@@ -22,8 +22,8 @@ processes; every time is the median of ``repeats`` steps after ``warmup`` steps,
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
 run, not absolute times.
-On GPUs (``--device cuda``, NCCL; bf16 model) it also reports NS TFLOP/s against the measured bf16
-matmul rate, and runs only the DP sizes that fit the visible GPUs (the JSON lists those skipped).
+On a GPU (``--device cuda``) the run is ``benchmarks.gpu_run``'s instead: sizes that mean something
+on an 80 GB card (a 1B+ GPT at seq 4096, NS at hidden 4096-8192), one GPU, its own targets.
 """
 
 from __future__ import annotations
@@ -48,12 +48,16 @@ from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.ideal_ratio import ideal_ratio_section, plot_ideal_ratio
 from benchmarks.launcher import run_ranks
+from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision
 from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.overlap import overlap_section
 from benchmarks.peers import peers_section
 from benchmarks.report import ANCHOR, format_markdown, format_report, missing_figures
 from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
+
+# The full run's stated time on 2 CPU cores (about 11 minutes measured with nothing else running).
+STATED_MINUTES = 15
 
 # --------------------------------------------------------------------------------------------------
 # sections
@@ -261,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
+    if args.device == "cuda":
+        from benchmarks import gpu_run
+
+        return gpu_run.main(args.out, quick=args.quick)
     config = QUICK if args.quick else FULL
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -274,11 +282,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {}
     section_seconds: dict[str, float] = {}
+    results["machine"] = choose_ns_precision(args.device)
+    _print_machine(results["machine"], config)
 
     def timed_section(name: str, fn, *fn_args):
         start = time.monotonic()
+        print(f"[bench] {name} ...", flush=True)
         value = fn(*fn_args)
         section_seconds[name] = time.monotonic() - start
+        print(
+            f"[bench] {name}: {section_seconds[name]:.0f} s "
+            f"(run {time.monotonic() - started:.0f} s of ~{STATED_MINUTES} min)",
+            flush=True,
+        )
         return value
 
     # A GPU needs a large product to reach its peak; one CPU thread reaches it at 2048.
@@ -344,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     results["scaling"] = timed_section("scaling", scaling_section, config, args.device)
     rates = [r["matmul_flops_per_s"] for r in results["headline"]["repetitions"]]
     results["matmul_peak"] = {
-        "dtype": "bf16",
+        "dtype": results["headline"]["repetitions"][0].get("matmul_dtype", "bfloat16"),
         "size": matmul_size,
         "flops_per_s": statistics.median(rates),
         "measured": "median of the headline repetitions' rates",
@@ -376,6 +392,24 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_report(results))
     return 0
+
+
+def _print_machine(machine: dict, config: BenchConfig) -> None:
+    """The run's first lines: rates, NS precision and why, sizes, and the notice said once."""
+    rates = machine["rates"]
+    if rates:
+        print(
+            f"[bench] matmul rates (one thread, 512^3): fp32 {rates['fp32'] / 1e9:.1f}, "
+            f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s",
+            flush=True,
+        )
+    print(f"[bench] NS precision {machine['ns_precision']}: {machine['reason']}", flush=True)
+    print(
+        f"[bench] sizes: dense {config.dense.describe()}; MoE {config.moe.describe()}; DP "
+        f"{list(config.dp_sizes)}; median of {config.repeats} steps after {config.warmup}",
+        flush=True,
+    )
+    print(f"[bench] {LIBRARY_NOTICE}", flush=True)
 
 
 def _fit_ranks(config: BenchConfig, max_ranks: int) -> BenchConfig:

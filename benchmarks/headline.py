@@ -2,7 +2,9 @@
 
 One repetition measures, in this order and with nothing else running in the benchmark:
 
-1. the bf16 matmul rate of one rank alone (``matmul_rate``, one thread on CPU);
+1. the matmul rate of one rank alone in the dtype of the run's NS matmuls (``matmul_rate``: bf16
+   under Megatron's default precision, fp32 where ``benchmarks.machine`` chose fp32 NS; one thread
+   on CPU);
 2. ``ShardedMuon`` in owner mode (its defaults, bucket size included) on Megatron-FSDP row shards
    of the dense model at DP=2 and at DP=1 (``owner_step``): median step time, NS FLOPs per rank,
    the transient memory of one step and the full matrices it held at once, and where one
@@ -112,6 +114,7 @@ def _repetition(shapes: TransformerShapes, device: str, warmup: int, repeats: in
     splits = [r["split"] for r in dp2 if r["split"] is not None]
     return {
         "matmul_flops_per_s": rate["flops_per_s"],
+        "matmul_dtype": rate["dtype"],
         "dp2_step_s": dp2_s,
         "dp1_step_s": dp1["seconds"],
         "ns_flops_per_rank_max": ns_flops,

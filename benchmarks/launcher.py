@@ -26,4 +26,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, device: DeviceT, *args: A
         tests.harness.RankFailure: a rank raised (its traceback in the message).
         tests.harness.RankTimeout: ranks did not finish within 600 s (named in the message).
     """
-    return run_on_ranks(fn, world_size, device, *args, timeout=BENCH_TIMEOUT_S, device=device)
+    from benchmarks.machine import quiet_rank
+
+    return run_on_ranks(
+        quiet_rank, world_size, fn, device, *args, timeout=BENCH_TIMEOUT_S, device=device
+    )

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from benchmarks.measure import synchronize
 from megatron_muon.newton_schulz import NSConfig, orthogonalize, uses_gram
 
 PrecisionT = Literal["fp32", "fp16", "bf16"]
@@ -49,7 +50,7 @@ class NSTiming:
 
 
 def _interleaved_times(
-    fns: Sequence[Callable[[], object]], warmup: int, repeats: int
+    fns: Sequence[Callable[[], object]], warmup: int, repeats: int, device: str = "cpu"
 ) -> list[list[float]]:
     """Seconds of each call of each function, timed alternately so that both see the same machine
     load (the CPU may be shared; back-to-back blocks of repeats would compare different loads)."""
@@ -59,8 +60,10 @@ def _interleaved_times(
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, samples in zip(fns, times, strict=True):
+            synchronize(device)
             start = time.perf_counter()
             fn()
+            synchronize(device)
             samples.append(time.perf_counter() - start)
     return times
 
@@ -72,14 +75,16 @@ def time_shape(
     num_ns_steps: int = 5,
     warmup: int = 2,
     repeats: int = 7,
+    device: str = "cpu",
 ) -> NSTiming:
-    """Median time of standard and Gram NS on one random fp32 ``(M, N)`` or ``(B, M, N)`` input.
+    """Median time of standard and Gram NS on one random fp32 ``(M, N)`` or ``(B, M, N)`` input
+    on ``device`` (a GPU is synchronized around each call).
 
     ``precision``: ``"fp32"``: both in fp32 (matmul precision ``"highest"``). ``"fp16"`` /
     ``"bf16"``: matmul precision ``"medium"``, standard NS in bf16 and Gram NS in that
     ``gram_half_dtype`` (with its default restarts).
     """
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(device)
     rows, cols = shape[-2], shape[-1]
     standard = NSConfig(num_ns_steps=num_ns_steps, coefficient_type=coefficient_type)  # type: ignore[arg-type]
     gram = NSConfig(
@@ -92,7 +97,10 @@ def time_shape(
     torch.set_float32_matmul_precision("highest" if precision == "fp32" else "medium")
     try:
         standard_times, gram_times = _interleaved_times(
-            [lambda: orthogonalize(x, standard), lambda: orthogonalize(x, gram)], warmup, repeats
+            [lambda: orthogonalize(x, standard), lambda: orthogonalize(x, gram)],
+            warmup,
+            repeats,
+            device,
         )
     finally:
         torch.set_float32_matmul_precision(previous)

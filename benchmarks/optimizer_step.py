@@ -9,6 +9,7 @@ cost does not depend on their values.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import torch
@@ -28,13 +29,16 @@ __all__ = [
     "size_scaling",
 ]
 
-# Megatron-LM's effective Muon defaults (its --muon-* flags' defaults): bf16 NS matmuls ("medium").
+# The run's NS precision: ``python -m benchmarks`` sets it from the machine's measured matmul rates
+# before any rank starts (``benchmarks.machine``); Megatron's default "medium" (bf16) otherwise.
+NS_PRECISION_ENV = "MEGATRON_MUON_BENCH_NS_PREC"
+# Megatron-LM's effective Muon defaults (its --muon-* flags' defaults), NS precision as above.
 MUON_KWARGS = dict(
     lr=3e-4,
     momentum=0.95,
     nesterov=False,
     weight_decay=0.01,
-    fp32_matmul_prec="medium",
+    fp32_matmul_prec=os.environ.get(NS_PRECISION_ENV, "medium"),
     coefficient_type="quintic",
     num_ns_steps=5,
     scale_mode="spectral",
@@ -196,9 +200,15 @@ def size_scaling(
 
 
 def matmul_rate(rank: int, world_size: int, device: str, size: int, repeats: int) -> dict:
-    """Measured bf16 matmul FLOP/s of one rank (one thread on CPU): the NS efficiency baseline."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    """Measured matmul FLOP/s of one rank (one thread on CPU) in the dtype of the run's NS matmuls
+    (bf16 under "medium", fp32 otherwise): the NS efficiency baseline."""
+    dtype = torch.bfloat16 if MUON_KWARGS["fp32_matmul_prec"] == "medium" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b
     seconds = median([timed(lambda: a @ b, device) for _ in range(repeats)])
-    return {"size": size, "flops_per_s": 2 * size**3 / seconds}
+    return {
+        "size": size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "flops_per_s": 2 * size**3 / seconds,
+    }

@@ -119,7 +119,8 @@ def format_report(results: dict) -> str:
     peak = results["matmul_peak"]
     lines.append("")
     lines.append(
-        f"NS rate: measured bf16 matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s per rank "
+        f"NS rate: measured {peak['dtype']} matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s "
+        "per rank "
         f"({peak['size']}^3); owner-mode NS TFLOP/s per rank (dense, incl. communication): "
         + ", ".join(
             f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f}"
@@ -322,7 +323,8 @@ def format_markdown(results: dict) -> str:
     peak = results["matmul_peak"]
     dense = results["optimizer_step"]["dense"]["by_dp"]
     out.append(
-        f"NS rate: measured bf16 matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s per rank "
+        f"NS rate: measured {peak['dtype']} matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s "
+        "per rank "
         f"({peak['size']}^3); owner-mode NS TFLOP/s per rank, dense model, communication "
         "included: "
         + ", ".join(

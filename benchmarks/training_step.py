@@ -61,10 +61,20 @@ def _optimizer_config(kind: str, device: str):
         bf16=device == "cuda",
     )
     if kind == "muon":
-        return OptimizerConfig(optimizer="muon", **common)
+        from benchmarks.optimizer_step import MUON_KWARGS
+
+        prec = MUON_KWARGS["fp32_matmul_prec"]
+        return OptimizerConfig(optimizer="muon", muon_fp32_matmul_prec=prec, **common)
     if kind == "adamw":
         return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common)
     raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+
+
+def _torch_device(device: str) -> torch.device:
+    """``cuda:<current>`` (Megatron-FSDP warns about a bare ``cuda``) or ``cpu``."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
 
 
 class _Trainer:
@@ -106,13 +116,19 @@ class _Trainer:
             vocab_size=size.vocab_size,
             max_sequence_length=size.seq_length,
         )
+        if device == "cuda":
+            # bf16 compute weights as Megatron-LM's get_model makes them (with Megatron-FSDP too):
+            # the module cast to bf16, its fp32 inputs cast on the way in.
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             use_megatron_fsdp=True,
             gradient_reduce_div_fusion=False,
         )
         self.wrapped = FullyShardedDataParallel(
-            config, ddp_config, model, device=torch.device(device)
+            config, ddp_config, model, device=_torch_device(device)
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
         optimizer_config = _optimizer_config(kind, device)

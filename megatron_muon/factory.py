@@ -310,6 +310,7 @@ def _qk_clip(
     """
     if fsdp_config.qk_clip_threshold is None:
         return None
+    _refuse_latent_attention(chunks, fsdp_config.qk_clip_threshold)
     attentions = find_self_attentions(chunks)
     if not attentions:
         raise ValueError(
@@ -318,6 +319,25 @@ def _qk_clip(
         )
     group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     return QKClip(attentions, fsdp_config.qk_clip_threshold, group=group)
+
+
+def _refuse_latent_attention(chunks: list[torch.nn.Module], threshold: float) -> None:
+    """MuonClip clips MHA/GQA ``SelfAttention`` layers only: a model with Multi-Latent Attention
+    layers is refused (naming them) rather than left half-clipped."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    names = [
+        name
+        for chunk in chunks
+        for name, module in chunk.named_modules()
+        if isinstance(module, MultiLatentAttention)
+    ]
+    if names:
+        raise ValueError(
+            f"qk_clip_threshold={threshold}: MuonClip on Multi-Latent Attention is not supported "
+            f"yet ({len(names)} MLA layers, first {names[0]}); megatron-muon clips MHA/GQA "
+            "SelfAttention layers only. Train this model without --qk-clip."
+        )
 
 
 def _scalar_optimizer(

@@ -46,7 +46,7 @@ from megatron_muon.integrations import checkpoint_guard, megatron_lm, megatron_l
 from megatron_muon.integrations.megatron_lm_progress import RunLog
 from megatron_muon.pretrain_args import add_pretrain_args, config_flags, config_path, parser
 from megatron_muon.pretrain_data import datasets_provider, forward_step
-from megatron_muon.pretrain_defaults import default_flags
+from megatron_muon.pretrain_defaults import default_flags, has_transformer_engine
 
 __all__ = ["main", "add_pretrain_args", "config_flags", "RunLog", "scheduler_mismatch_message"]
 
@@ -102,7 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         config_file = config_path(user_flags)
         from_config = config_flags(config_file) if config_file else []
         defaults = default_flags(
-            parser(), [*from_config, *user_flags], has_gpu=torch.cuda.is_available()
+            parser(),
+            [*from_config, *user_flags],
+            has_gpu=torch.cuda.is_available(),
+            has_te=has_transformer_engine(),
         )
     except ValueError as error:
         raise SystemExit(f"megatron_muon.pretrain: error: {error}") from None
@@ -122,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_and_validate_args(
         extra_args_provider=add_pretrain_args, args_defaults={"tokenizer_type": "NullTokenizer"}
     )
+    _notice_slow_bf16(args)
     if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
         raise ValueError(
             "megatron_muon.pretrain supports tensor and data parallelism (PP = CP = 1)"
@@ -139,6 +143,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(scheduler_mismatch_message(error)) from error
         raise
     _write_outputs(args, log)
+
+
+def _notice_slow_bf16(args: argparse.Namespace) -> None:
+    """Once, on rank 0 of a CPU run: Muon's NS in bf16 on a CPU without bf16 instructions
+    (``megatron_muon.matmul_rates``), and the flag that runs it in fp32."""
+    if torch.cuda.is_available() or int(os.environ.get("RANK", "0")) != 0:
+        return
+    if args.optimizer != "muon" or getattr(args, "muon_fp32_matmul_prec", None) != "medium":
+        return
+    from megatron_muon.matmul_rates import bf16_is_slow, measure_matmul_rates, slow_bf16_message
+
+    rates = measure_matmul_rates()
+    if bf16_is_slow(rates):
+        print(f"[megatron-muon] {slow_bf16_message(rates)}", flush=True)
 
 
 def scheduler_mismatch_message(error: AssertionError) -> str:

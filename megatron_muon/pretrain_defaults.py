@@ -17,7 +17,9 @@ point prints them once ("defaults applied: ...").
   default, 100, prints nothing in a 40-iteration run).
 - With ``--save``, ``--save-interval`` = a quarter of the run (Megatron has none and fails at the
   end of training without one).
-- Without a GPU, the CPU/gloo flags (``CPU_FLAGS``); with no data flag, the embedded byte-level
+- Without a GPU, the CPU/gloo flags (``CPU_FLAGS``); on a GPU without Transformer Engine, the local
+  transformer and no TE/Apex fusions (``NO_TE_FLAGS``: Megatron's default ``--transformer-impl
+  transformer_engine`` fails to build there); with no data flag, the embedded byte-level
   text's tokenizer flags (``BYTE_DATA_FLAGS``).
 
 Without a GPU, training without Megatron-FSDP is refused before anything starts: Megatron's DDP
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 
 __all__ = [
     "CPU_FLAGS",
+    "NO_TE_FLAGS",
+    "has_transformer_engine",
     "BYTE_DATA_FLAGS",
     "DATA_FLAGS",
     "add_opt_out_flags",
@@ -38,11 +42,9 @@ __all__ = [
     "NO_MEGATRON_FSDP",
 ]
 
-# What Megatron's loop needs on CPU/gloo: gloo, CPU initialization, the local (non-TE) transformer,
-# no CUDA fusions.
-CPU_FLAGS: list[tuple[str, ...]] = [
-    ("--distributed-backend", "gloo"),
-    ("--use-cpu-initialization",),
+# What Megatron's loop needs without Transformer Engine (and Apex): the local transformer, none of
+# the fusions those libraries provide. On a GPU they are the defaults when TE does not import.
+NO_TE_FLAGS: list[tuple[str, ...]] = [
     ("--transformer-impl", "local"),
     ("--no-gradient-accumulation-fusion",),
     ("--no-gradient-reduce-div-fusion",),
@@ -51,6 +53,12 @@ CPU_FLAGS: list[tuple[str, ...]] = [
     ("--no-masked-softmax-fusion",),
     ("--no-rope-fusion",),
     ("--no-persist-layer-norm",),
+]
+# What Megatron's loop needs on CPU/gloo: gloo, CPU initialization and the above.
+CPU_FLAGS: list[tuple[str, ...]] = [
+    ("--distributed-backend", "gloo"),
+    ("--use-cpu-initialization",),
+    *NO_TE_FLAGS,
 ]
 # The embedded byte-level data (vocabulary 256, no attention mask from the data loader).
 BYTE_DATA_FLAGS: list[tuple[str, ...]] = [
@@ -78,8 +86,19 @@ def add_opt_out_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def has_transformer_engine() -> bool:
+    """Whether ``transformer_engine.pytorch`` imports (looked up, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def default_flags(
-    parser: argparse.ArgumentParser, flags: Sequence[str], *, has_gpu: bool
+    parser: argparse.ArgumentParser,
+    flags: Sequence[str],
+    *,
+    has_gpu: bool,
+    has_te: bool = True,
 ) -> list[tuple[str, ...]]:
     """The entry point's defaults for what ``flags`` leave unset, each as ``(flag, *values)``.
 
@@ -88,11 +107,13 @@ def default_flags(
             changed: the defaults of the flags looked at become a sentinel).
         flags: the user's flags (``--config``'s first, then the command line's).
         has_gpu: whether a CUDA device is present.
+        has_te: whether Transformer Engine is installed (read only with a GPU).
 
     Raises:
         ValueError: no GPU and ``--no-use-megatron-fsdp`` (naming the flag).
     """
-    optional = [*([] if has_gpu else CPU_FLAGS), *BYTE_DATA_FLAGS]
+    device_flags = CPU_FLAGS if not has_gpu else ([] if has_te else NO_TE_FLAGS)
+    optional = [*device_flags, *BYTE_DATA_FLAGS]
     dests = {option[0]: parser._option_string_actions[option[0]].dest for option in optional}
     run_dests: tuple[str, ...] = ("use_megatron_fsdp", "ckpt_format", "max_position_embeddings")
     run_dests += ("eval_interval", "eval_iters", "log_interval", "save_interval")
@@ -103,8 +124,7 @@ def default_flags(
         return getattr(given, dest) is _UNSET
 
     defaults: list[tuple[str, ...]] = []
-    if not has_gpu:
-        defaults += [option for option in CPU_FLAGS if unset(dests[option[0]])]
+    defaults += [option for option in device_flags if unset(dests[option[0]])]
     if not any(flag.split("=")[0] in DATA_FLAGS for flag in flags):
         defaults += [option for option in BYTE_DATA_FLAGS if unset(dests[option[0]])]
     if unset("use_megatron_fsdp"):

@@ -2,6 +2,9 @@
 nothing), the ``multirank`` marker, and the DP=1 reference run of Megatron-LM's
 loop that several test modules compare with.
 
+Tests marked ``@pytest.mark.gpu`` need a CUDA device: without one they are skipped with the reason
+(CI is CPU-only); ``scripts/gpu_check.sh OUTDIR`` runs them on a GPU machine (docs/gpu.md).
+
 Tests that launch several processes carry ``@pytest.mark.multirank`` (registered in pyproject.toml);
 ``-m "not multirank"`` selects the single-process tests. A launch from an unmarked test fails
 (``tests.harness.require_multirank_marker``), so the selection stays exact.
@@ -13,6 +16,21 @@ import torch
 from tests import harness
 
 torch.set_num_threads(1)
+
+
+GPU_SKIP_REASON = (
+    "gpu: no CUDA device here (CI is CPU-only); run scripts/gpu_check.sh OUTDIR on a GPU machine "
+    "(docs/gpu.md)"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -13,7 +13,6 @@ from tests.gpt_parity import SEQ, Run
 
 RUN = Run(wrapper="mcore", strategy="optim_grads_params")
 NUM_STEPS = 3
-TOLERANCE = 1e-5  # as tests/test_factory.py: fp32, 2-rank reduction order vs one process
 
 
 def _build(world_size: int, fsdp_kwargs: dict):

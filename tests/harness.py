@@ -53,7 +53,7 @@ _PRELOAD = [
     "tests.harness",
 ]
 
-_context: Any = None
+_contexts: dict[str, Any] = {}
 # Whether the running test carries the ``multirank`` marker (tests/conftest.py sets it before each
 # test's fixtures); None outside pytest.
 _test_is_multirank: bool | None = None
@@ -86,12 +86,17 @@ class RankTimeout(TimeoutError):
     """Some ranks did not finish within the timeout; the message names them."""
 
 
-def _get_context() -> Any:
-    global _context
-    if _context is None:
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
-    return _context
+def _get_context(device: DeviceT) -> Any:
+    """CPU: a forkserver with ``_PRELOAD`` imported (fast launches). CUDA: spawn, since a process
+    forked from one where CUDA is initialised cannot use CUDA ("Cannot re-initialize CUDA in forked
+    subprocess"), and importing megatron-core on a GPU machine initialises it."""
+    if device not in _contexts:
+        if device == "cuda":
+            _contexts[device] = mp.get_context("spawn")
+        else:
+            _contexts[device] = mp.get_context("forkserver")
+            _contexts[device].set_forkserver_preload(_PRELOAD)
+    return _contexts[device]
 
 
 def _encode(obj: Any) -> bytes:
@@ -131,6 +136,7 @@ def _rank_entry(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
+            device_id=torch.device("cuda", rank) if device == "cuda" else None,
         )
         if device == "cpu":
             cpu_stand_ins.install()
@@ -167,7 +173,7 @@ def run_on_ranks(
         RankTimeout: ranks did not finish within ``timeout`` seconds (named in the message).
     """
     require_multirank_marker(f"{world_size} ranks")
-    ctx = _get_context()
+    ctx = _get_context(device)
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="mm_store_")
     store_path = os.path.join(store_dir, "store")

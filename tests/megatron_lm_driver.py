@@ -42,7 +42,11 @@ def main() -> None:
         import megatron_muon.integrations.megatron_lm as integration
         from megatron_muon import cpu_stand_ins
 
-        integration.install = lambda **_: cpu_stand_ins.install_for_training()
+        def stand_ins_only(**_: Any) -> None:
+            cpu_stand_ins.install_for_training()
+            integration.use_shipped_dataset_helpers()  # packaging, not Muon: stock needs it too
+
+        integration.install = stand_ins_only
 
     import megatron.training.training as training
 

@@ -5,7 +5,8 @@ for 5 steps of real forward/backward on 2 gloo ranks, under every sharding strat
 to a single-process fp32 reference (TensorParallelMuon + AdamW on full tensors, same routing,
 same data; ``tests/gpt_parity.py``). Clipping is active at every step (clip_grad 0.3 < grad norm),
 so the global grad norm over FSDP shards is checked too. Params are compared by whole-param
-relative error (Frobenius), ``fp32_matmul_prec="highest"``, tolerance 1e-5.
+relative error (Frobenius), ``fp32_matmul_prec="highest"``, within twice the largest deviation that
+fp32 reduction order alone causes between two runs of the reference (``gpt_parity.FLOOR_FACTOR``).
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from tests import gpt_parity
 from tests.gpt_parity import Run
 from tests.harness import run_on_ranks
 
+# Params: within gpt_parity.FLOOR_FACTOR of the reduction-order floor measured in the same launch
+# (the MoE router's own floor is the largest: Newton-Schulz amplifies its small singular values).
+# The toy without parallel state: fp32 "highest", 2-rank reduction order of one MSE step.
 TOLERANCE = 1e-5
-# The MoE router weight (4 x 64) is looser: its Muon update orthogonalizes a momentum with small
-# singular values, which Newton-Schulz amplifies; the fp32 difference between a 2-rank averaged
-# gradient and the single-process one (reduction order) becomes ~2e-5 after 5 steps. The deviation
-# is bit-identical under no_shard and optim_grads_params, so it does not come from sharding.
-ROUTER_TOLERANCE = 5e-5
 NUM_STEPS = 5
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # One loop flavour per strategy, so that every flavour meets a sharded and an unsharded strategy:
@@ -69,10 +68,7 @@ def moe_results() -> dict[Run, list[dict]]:
 
 
 def _assert_matches_reference(per_rank: list[dict]) -> float:
-    errors = gpt_parity.relative_errors([result["deviations"] for result in per_rank])
-    for name, error in errors.items():
-        tolerance = ROUTER_TOLERANCE if name.endswith("mlp.router.weight") else TOLERANCE
-        assert error <= tolerance, f"{name}: relative error {error:.2e}"
+    errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
     for result in per_rank:
@@ -287,10 +283,9 @@ def test_muon_param_that_is_not_a_matrix_and_missing_expt_dp_are_refused(variant
 # HSDP: 2 replicas x 2 shards on 4 ranks
 # --------------------------------------------------------------------------------------------------
 
-# One step. Muon params 1e-5 as above. AdamW params 5e-5: AdamW's first update is ~lr * sign(g),
-# and output-layer elements with |g| near eps flip sign with the 4-rank reduction order (the same
-# 1.2e-5 on output_layer.weight appears on a plain 4-rank FSDP run, without HSDP).
-HSDP_ADAMW_TOLERANCE = 5e-5
+# One step; params within the reduction-order floor as above (AdamW's first update is ~lr * sign(g):
+# output-layer elements with |g| near eps flip sign with the 4-rank reduction order, in the
+# reordered reference as in the sharded run).
 
 
 HSDP_RUNS = [Run("mcore_hsdp", "optim_grads_params"), Run("fully_shard_hsdp", "optim_grads_params")]
@@ -314,11 +309,7 @@ def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group
     hsdp_results, wrapper
 ):
     per_rank = hsdp_results[next(r for r in HSDP_RUNS if r.wrapper == wrapper)]
-    errors = gpt_parity.relative_errors([result["deviations"] for result in per_rank])
-    routing = {gpt_parity._strip(n): opt for n, opt, _ in per_rank[0]["routing"]}
-    for name, error in errors.items():
-        tolerance = TOLERANCE if routing[name] == "muon" else HSDP_ADAMW_TOLERANCE
-        assert error <= tolerance, f"{name}: relative error {error:.2e}"
+    errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
     for result in per_rank:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests import gpt_parity
-from tests.factory_gpt_runs import NUM_STEPS, TOLERANCE, _assemble, _build, _rows, _step
+from tests.factory_gpt_runs import NUM_STEPS, _assemble, _build, _rows, _step
 from tests.harness import run_on_ranks
 
 GRAM_TOLERANCE = 1e-6  # fp32 "highest": absolute slack on Gram NS's DP=2 vs DP=1 deviation
@@ -70,7 +70,8 @@ def test_gram_newton_schulz_on_two_ranks_matches_one_rank_as_closely_as_standard
     # after one step on this model, Gram NS ~2.5x more (X X^T squares the singular values);
     # later steps compound it through AdamW's embeddings. Measured: gram 8.9e-6 / 1.2e-5 / 1.3e-5,
     # standard 3.8e-6 / 4.7e-6 / 4.9e-6 after steps 1-3. So 1e-6 is out of reach through the whole
-    # model; what this checks is that Gram NS on shards adds no error beyond that amplification.
+    # model; what this checks is that Gram NS on shards adds no error beyond that amplification:
+    # the standard method's own DP=2 vs DP=1 deviation in the same run is the floor (factor 4:
+    # Gram's 2.5x amplification, measured, with room for the reduction order of another CPU).
     for worst in by_step:
-        assert worst["gram"] <= 2 * TOLERANCE, by_step
         assert worst["gram"] <= 4 * worst["standard"] + GRAM_TOLERANCE, by_step

@@ -36,6 +36,8 @@ tolerance is ``RELATIVE_TOLERANCE`` (1e-5).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -152,14 +154,21 @@ def test_build_summary_is_printed_on_rank_0_at_megatrons_default_log_level(
 
 
 @pytest.fixture(scope="module")
-def ep_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronRun, MegatronRun]:
+def ep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep2_ckpt")
+
+
+@pytest.fixture(scope="module")
+def ep_runs(ep_checkpoint: Path) -> tuple[MegatronRun, MegatronRun]:
     """EP=2 on 4 ranks (saving at iteration 2), and 1 rank without EP resuming from that save."""
-    checkpoint = tmp_path_factory.mktemp("ep2_ckpt")
-    save = ["--save", str(checkpoint), "--save-interval", str(EP_SAVE_AT)]
+    save = ["--save", str(ep_checkpoint), "--save-interval", str(EP_SAVE_AT)]
     ep2 = run_megatron([*MOE_FLAGS, "--expert-model-parallel-size", "2", *save], nproc=4)
-    load = ["--load", str(checkpoint), "--ckpt-step", str(EP_SAVE_AT), "--no-load-rng"]
-    one_rank = run_megatron([*MOE_FLAGS, *load], nproc=1)
+    one_rank = run_megatron([*MOE_FLAGS, *_load_ep_checkpoint(ep_checkpoint)], nproc=1)
     return ep2, one_rank
+
+
+def _load_ep_checkpoint(checkpoint: Path) -> list[str]:
+    return ["--load", str(checkpoint), "--ckpt-step", str(EP_SAVE_AT), "--no-load-rng"]
 
 
 def test_expert_parallel_muon_on_4_ranks_equals_one_rank_from_the_same_state(
@@ -188,6 +197,31 @@ def test_expert_parallel_muon_on_4_ranks_equals_one_rank_from_the_same_state(
             ep2.iterations[iteration]["lm loss"],
             f"lm loss, iteration {iteration}",
         )
+
+
+def test_an_ep2_checkpoint_of_4_ranks_resumes_at_ep2_on_2_ranks(
+    ep_runs: tuple[MegatronRun, MegatronRun], ep_checkpoint: Path
+) -> None:
+    # DP reshard at fixed EP: saved at EP=2 x DP=4 (expert DP 2), loaded at EP=2 x DP=2 (expert
+    # DP 1) with one micro-batch per rank (the same global batch; more than one would hit the
+    # stock expert-gradient scaling bug of a single-rank expert DP group, module docstring).
+    ep2, _ = ep_runs
+    flags = [*MOE_FLAGS, "--expert-model-parallel-size", "2", "--micro-batch-size", "2"]
+    resumed = run_megatron([*flags, *_load_ep_checkpoint(ep_checkpoint)], nproc=2)
+    print(f"\nEP=2 on 2 ranks from iter {EP_SAVE_AT}: {resumed.series('grad norm')}")
+    assert sorted(resumed.iterations) == list(range(EP_SAVE_AT + 1, EP_ITERS + 1))
+    for iteration in range(EP_SAVE_AT + 1, EP_ITERS + 1):
+        assert_close(
+            resumed.iterations[iteration]["grad norm"],
+            ep2.iterations[iteration]["grad norm"],
+            f"grad norm, iteration {iteration}",
+        )
+    # The second logged line after the resume is Megatron's mean of two iterations' losses.
+    first, second = EP_SAVE_AT + 1, EP_SAVE_AT + 2
+    expected = {i: ep2.iterations[i]["lm loss"] for i in resumed.iterations}
+    expected[second] = (expected[first] + expected[second]) / 2
+    for iteration, value in expected.items():
+        assert_close(resumed.iterations[iteration]["lm loss"], value, f"lm loss, {iteration}")
 
 
 def test_qk_clip_lines_are_printed_on_rank_0_when_heads_are_clipped(

@@ -12,9 +12,15 @@ computations of the same update in different orders: the duplicated and distribu
 their strategies reduce gradients differently) differ by <= 3.3e-7 relative in the iteration-8
 loss, 4 ranks against 2 by the same (measured on the pinned stack; the loss is printed to 7
 significant digits). Tolerance on every iteration's loss: 1e-5 relative.
+
+The duplicated 4-rank run also saves at ``SAVE_AT``; a 2-rank run (TP = 2 x DP = 1) resumes from it:
+DP reshard at fixed TP, every later grad norm and loss equal to the uninterrupted run's (1e-5).
 """
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,18 +40,33 @@ FLAGS = [
 RELATIVE_TOLERANCE = 1e-5
 
 _RUNS: dict[tuple[str, int], MegatronRun] = {}
+# The duplicated run on 4 ranks also saves here (at SAVE_AT), for the DP reshard at fixed TP.
+SAVE_AT = 4
+_CHECKPOINT: list[Path] = []
+
+
+def _checkpoint() -> Path:
+    """The duplicated 4-rank run's checkpoint directory (made on first use)."""
+    if not _CHECKPOINT:
+        _CHECKPOINT.append(Path(tempfile.mkdtemp(prefix="mm_tp2_ckpt_")))
+    return _CHECKPOINT[0]
+
+
+def _flags(tp_mode: str) -> list[str]:
+    return [
+        *FLAGS,
+        *("--muon-tp-mode", tp_mode),
+        *("--data-parallel-sharding-strategy", STRATEGY[tp_mode]),
+    ]
 
 
 def tp2_run(tp_mode: str, nproc: int) -> MegatronRun:
     """The TP = 2 run of ``tp_mode`` on ``nproc`` ranks (launched once per module)."""
     key = (tp_mode, nproc)
     if key not in _RUNS:
-        flags = [
-            *FLAGS,
-            *("--muon-tp-mode", tp_mode),
-            *("--data-parallel-sharding-strategy", STRATEGY[tp_mode]),
-        ]
-        _RUNS[key] = run_megatron(flags, nproc=nproc, timeout=300)
+        save = ["--save", str(_checkpoint()), "--save-interval", str(SAVE_AT)]
+        extra = save if key == ("duplicated", 4) else []
+        _RUNS[key] = run_megatron([*_flags(tp_mode), *extra], nproc=nproc, timeout=300)
     return _RUNS[key]
 
 
@@ -82,3 +103,29 @@ def test_duplicated_and_distributed_agree_within_reduction_order_noise() -> None
         spread = max(abs(a - b) / abs(b) for a, b in zip(duplicated, distributed, strict=True))
         print(f"\n{nproc} ranks: duplicated vs distributed, largest relative spread {spread:.1e}")
         assert spread <= RELATIVE_TOLERANCE, (duplicated, distributed)
+
+
+def test_a_tp2_checkpoint_of_4_ranks_resumes_on_2_ranks_as_the_uninterrupted_run() -> None:
+    # DP reshard at fixed TP: saved at TP = 2 x DP = 2, loaded at TP = 2 x DP = 1 (the same
+    # global batch). Grad norms at full precision and logged losses after the resume equal the
+    # uninterrupted 4-rank run's up to reduction order; the second logged line after a resume is
+    # Megatron's mean of two iterations (tests/test_megatron_lm_moe_tensor_parallel.py).
+    uninterrupted = tp2_run("duplicated", 4)
+    load = ["--load", str(_checkpoint()), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
+    resumed = run_megatron([*_flags("duplicated"), *load], nproc=2, timeout=300)
+    print(
+        f"\nTP=2 x DP=2 -> DP=1 at {SAVE_AT}: grad norms {resumed.grad_norms} vs "
+        f"{uninterrupted.grad_norms[SAVE_AT:]}"
+    )
+    assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
+    expected_norms = uninterrupted.grad_norms[SAVE_AT:]
+    assert len(resumed.grad_norms) == len(expected_norms) == NUM_ITERS - SAVE_AT
+    for value, expected in zip(resumed.grad_norms, expected_norms, strict=True):
+        assert value is not None and expected is not None
+        assert _close(value, expected), (resumed.grad_norms, expected_norms)
+    losses = uninterrupted.iterations
+    first, second = SAVE_AT + 1, SAVE_AT + 2
+    expected_losses = {i: losses[i]["lm loss"] for i in resumed.iterations}
+    expected_losses[second] = (losses[first]["lm loss"] + losses[second]["lm loss"]) / 2
+    for iteration, expected in expected_losses.items():
+        assert _close(resumed.iterations[iteration]["lm loss"], expected), iteration

@@ -21,10 +21,12 @@ MODEL_AND_RUN_LENGTH = [
 ]
 
 
-def _defaults(flags: list[str], has_gpu: bool = False) -> list[tuple[str, ...]]:
+def _defaults(
+    flags: list[str], has_gpu: bool = False, has_te: bool = True
+) -> list[tuple[str, ...]]:
     from megatron_muon.pretrain_args import parser
 
-    return default_flags(parser(), flags, has_gpu=has_gpu)
+    return default_flags(parser(), flags, has_gpu=has_gpu, has_te=has_te)
 
 
 def test_model_and_run_length_flags_get_megatron_fsdp_and_every_run_default():
@@ -158,3 +160,19 @@ def test_a_schedule_mismatch_on_load_is_explained_with_megatrons_two_flags():
     assert "--override-opt_param-scheduler" in message
     assert "--use-checkpoint-opt_param-scheduler" in message
     assert "--train-iters" in message and "total number of iterations" in message
+
+
+def test_a_gpu_without_transformer_engine_gets_the_local_transformer_and_no_te_fusions():
+    defaults = _defaults(MODEL_AND_RUN_LENGTH, has_gpu=True, has_te=False)
+    assert ("--transformer-impl", "local") in defaults
+    assert ("--no-gradient-accumulation-fusion",) in defaults
+    assert ("--distributed-backend", "gloo") not in defaults  # NCCL stays
+    assert ("--use-cpu-initialization",) not in defaults
+    with_te = _defaults(MODEL_AND_RUN_LENGTH, has_gpu=True, has_te=True)
+    assert not [d for d in with_te if d[0] == "--transformer-impl"]
+    chosen = _defaults(
+        [*MODEL_AND_RUN_LENGTH, "--transformer-impl", "transformer_engine"],
+        has_gpu=True,
+        has_te=False,
+    )
+    assert not [d for d in chosen if d[0] == "--transformer-impl"]  # the user's choice stands

@@ -57,6 +57,17 @@ Tensor parallelism (TP > 1; ``cuda_runtime``):
   RNG state next to the CPU one; on CPU both are the one generator's, read at the same moment, so
   a resumed run restores a real state.
 
+Sequence parallelism (``sequence_parallel_norm``):
+
+- ``WrappedTorchNorm`` (the local spec's norm without Apex) with ``config.sequence_parallel``:
+  the same torch norm, its params marked ``sequence_parallel`` so that the loop sums their
+  gradients over TP (what Apex's and Transformer Engine's norms do); stock it asserts, which stops
+  every MoE model at TP > 1 (megatron-core requires sequence parallelism there).
+
+- the uneven all-gather / reduce-scatter of expert tensor parallelism's token dispatch
+  (``uneven_collectives``): gloo refuses lists of unequal tensors; the same results through a
+  padded all-gather and an all-reduce, only where split sizes are given.
+
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; ``training_loop``):
 
@@ -80,8 +91,6 @@ of everything above; ``training_loop``):
   base seed). On a GPU that draw comes from the CPU generator, which dropout (on the CUDA
   generator) never sees; on CPU dropout draws from that generator too, and a resumed run, which
   builds its iterators after the checkpoint's RNG state is restored, would draw different masks.
-- ``megatron.core.datasets.utils.compile_helpers`` -> no-op: the wheel ships the built dataset
-  helpers but not their Makefile (packaging, not CUDA).
 - ``FullyShardedDataParallel(device=None)`` -> ``device=cpu``: the wrapper otherwise places its
   buffers on ``cuda:current_device()``.
 - the device redirect above, extended to the loop's modules
@@ -92,7 +101,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_muon.cpu_stand_ins import cuda_runtime, device_redirect, fsdp, training_loop
+from megatron_muon.cpu_stand_ins import (
+    cuda_runtime,
+    device_redirect,
+    fsdp,
+    sequence_parallel_norm,
+    training_loop,
+    uneven_collectives,
+)
 from megatron_muon.cpu_stand_ins.device_redirect import cpu_device_redirect_modules
 
 __all__ = ["install", "install_for_training", "installed", "cpu_device_redirect_modules"]
@@ -132,6 +148,8 @@ def install(extra_redirect_modules: list[str] | None = None) -> None:
     cuda_runtime.patch()
     fsdp.patch()
     device_redirect.patch()
+    sequence_parallel_norm.patch()
+    uneven_collectives.patch()
     _INSTALLED = True
 
 

@@ -56,9 +56,16 @@ TRAINING_REDIRECT_MODULES = [
 # Modules that move tensors to ``torch.cuda.current_device()``: there it names the CPU.
 _CURRENT_DEVICE_CPU_MODULES = [
     "megatron.core.transformer.moe.router",
+    # Multi-Latent Attention's RoPE and YaRN embeddings: built without use_cpu_initialization, they
+    # place their inverse frequencies on torch.cuda.current_device().
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     # Expert parallelism's all-to-all: torch.empty(..., device=current_device()) in the gathers,
     # input.new_empty(..., device=current_device()) for the uneven all-to-all's output.
     "megatron.core.tensor_parallel.mappings",
+    # Sequence parallelism's backward: the reduce-scatter's output is torch.empty(...,
+    # device=current_device()) (layers.py:647).
+    "megatron.core.tensor_parallel.layers",
 ]
 
 _FACTORIES = (

@@ -23,7 +23,6 @@ def patch() -> None:
     set_stand_in(torch.Tensor, "cuda", _cuda_stays_on_cpu)
     _patch_training_arguments()
     _patch_training_initialize()
-    _patch_dataset_helpers()
     _patch_data_loader_generator()
     _patch_fsdp_default_device()
 
@@ -123,12 +122,6 @@ def _patch_training_initialize() -> None:
         return seed_with_cpu_tracker
 
     replace_once(initialize, "_set_random_seed", make_seed)
-
-
-def _patch_dataset_helpers() -> None:
-    """The wheel ships the compiled dataset helpers but not the Makefile that builds them."""
-    utils = importlib.import_module("megatron.core.datasets.utils")
-    set_stand_in(utils, "compile_helpers", lambda: None)
 
 
 def _patch_data_loader_generator() -> None:

@@ -36,7 +36,12 @@ from megatron_muon.checkpointing import (
 from megatron_muon.checkpointing.optimizer_state import creates_state
 from megatron_muon.integrations import megatron_lm
 
-__all__ = ["install", "make_adam_state_rank_symmetric", "check_optimizer_state_kinds"]
+__all__ = [
+    "install",
+    "make_adam_state_rank_symmetric",
+    "check_optimizer_state_kinds",
+    "checkpoint_directory",
+]
 
 _INSTALLED = False
 _OPTIMIZER_PREFIX = "optimizer.state."
@@ -109,7 +114,7 @@ def _with_rank_symmetric_adam_state(get_megatron_optimizer: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_directory(args: Any) -> str | None:
+def checkpoint_directory(args: Any) -> str | None:
     """The ``iter_XXXXXXX`` directory Megatron's ``load_checkpoint`` will read, or None."""
     from megatron.training.checkpointing import (
         get_checkpoint_name,
@@ -165,7 +170,7 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
         return
     if getattr(args, "ckpt_format", None) != "fsdp_dtensor":
         return
-    directory = _checkpoint_directory(args)
+    directory = checkpoint_directory(args)
     if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
         return  # Megatron's own load reports a missing checkpoint
     saved, mine = _saved_state_kinds(directory), _run_state_kinds(optimizer)

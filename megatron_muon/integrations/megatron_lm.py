@@ -5,8 +5,9 @@ the megatron-core wheel. Put ``install()`` at the top of that script (before it 
 and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
-What ``install()`` patches, and why (three functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here):
+What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
+megatron-core fixes 6 and 7):
 
 1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
    ``--muon-fsdp-mode`` and the rest) are chained after the caller's ``extra_args_provider``, so
@@ -42,6 +43,22 @@ What ``install()`` patches, and why (three functions, each wrapped, none copied;
    step under every sharded strategy (Newton-Schulz and the QKV split on uneven row shards;
    ranks whose shard is empty skip a collective the others enter). A custom loop calls
    ``build_muon_optimizer`` itself, saying whether it calls ``finish_grad_sync``.
+4. ``load_checkpoint`` as ``megatron.training.training`` imported it: an ``fsdp_dtensor``
+   checkpoint whose vocabulary padding differs from this run's (padding follows the
+   tensor-parallel size) is refused before anything loads, with an error naming both sizes and
+   the ``--make-vocab-size-divisible-by`` that avoids it (``checkpoint_vocab``; stock megatron-core
+   stops inside the load with a bare size mismatch). Any optimizer: it raises only where Megatron's
+   load would fail.
+5. ``megatron.core.datasets.utils.compile_helpers`` -> no-op when the wheel's built dataset helpers
+   (``megatron.core.datasets.helpers_cpp``) import: the wheel ships them but not the Makefile that
+   ``compile_helpers`` runs, so ``pretrain`` stops with "Failed to compile the C++ dataset helper
+   functions" on any machine, GPU or not (a packaging matter; from a source checkout of Megatron-LM,
+   where the extension is not built, the original runs).
+6. The local core attention takes Multi-Latent Attention's ``k_channels`` / ``v_channels``
+   (``local_core_attention``: a megatron-core 0.19 bug that stops MLA with
+   ``--transformer-impl local`` from building, GPU or not).
+7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
+   rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -66,6 +83,8 @@ from typing import Any
 
 import torch
 
+from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
@@ -83,6 +102,7 @@ __all__ = [
     "check_megatron_core_version",
     "install",
     "installed",
+    "use_shipped_dataset_helpers",
     "extra_args_provider",
     "muon_meets_megatron_fsdp",
     "uses_megatron_fsdp",
@@ -131,7 +151,25 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.parse_args = with_muon_args(arguments.parse_args)
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
+    training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
+    use_shipped_dataset_helpers()
+    local_core_attention.patch()
+    mla_tensor_parallel.install()
     _INSTALLED = True
+
+
+def use_shipped_dataset_helpers() -> None:
+    """5. ``compile_helpers`` does nothing when the built helpers import (module docstring)."""
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return
+    utils: Any = importlib.import_module("megatron.core.datasets.utils")
+    utils.compile_helpers = _helpers_already_built
+
+
+def _helpers_already_built() -> None:
+    """``compile_helpers`` with the wheel's built ``helpers_cpp`` present: nothing to build."""
 
 
 def check_megatron_core_version(patcher: str = __name__) -> None:

@@ -162,6 +162,25 @@ PRESETS: dict[str, ModelSpec] = {
             v_head_dim=128,
             default_ep=64,
         ),
+        # DeepSeek-V3's shape on CPU ranks (configs/tiny-deepseek-v3.yaml: the entry point's run).
+        ModelSpec(
+            name="tiny-deepseek-v3",
+            num_layers=3,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=192,
+            num_experts=4,
+            moe_ffn_hidden_size=48,
+            moe_shared_expert_intermediate_size=48,
+            moe_layer_freq=(0, 1, 1),
+            multi_latent_attention=True,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_head_dim=16,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=16,
+            default_ep=2,
+        ),
     )
 }
 

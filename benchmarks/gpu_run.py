@@ -1,0 +1,266 @@
+"""``python -m benchmarks --device cuda``: the figures a GPU user asks for, on one GPU (DP = 1).
+
+Each section runs in its own spawned process (``run_ranks``, one NCCL rank), in this order:
+
+1. ``matmul``: the card's bf16 matmul rate (``GPU.matmul_size`` cubed), the baseline of 2 and 3.
+2. ``newton_schulz``: NS alone (``orthogonalize``, Megatron's default "medium": bf16 matmuls) on
+   matrices of hidden 4096 and 8192: TFLOP/s and the fraction of the matmul rate.
+3. ``stock``: ``ShardedMuon`` (on Megatron-FSDP row shards, DP = 1) against megatron-core
+   ``TensorParallelMuon`` and emerging-optimizers ``Muon`` on full copies of the same weights
+   (``GPU.stock``), stepped in turn; and the owner step's NS rate (its NS FLOPs over its time).
+4. ``gram``: Gram vs standard NS by aspect ratio (``benchmarks.ns_methods`` on the GPU; Gram in
+   fp16, its default, and in bf16).
+5. ``training``: a 1B+ GPTModel (``GPU.gpt``, seq 4096) under Megatron-FSDP, bf16 compute weights,
+   Muon (``build_muon_optimizer``) and AdamW (megatron-core's), each kind in its own process:
+   median whole step, optimizer step, peak memory (``max_memory_allocated``) and state memory.
+6. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
+   priced at the rates measured above (module ``benchmarks.gpu_targets``).
+
+The targets (``benchmarks.gpu_targets.TARGETS``) are reported met or not, with the figures behind
+each. On CPU the same code runs at ``QUICK_CPU`` sizes (``tests/test_gpu_benchmarks.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import gpu_targets, ns_methods
+from benchmarks.headline import owner_step
+from benchmarks.launcher import run_ranks
+from benchmarks.measure import median, synchronize, timed
+from benchmarks.models import TransformerShapes
+from benchmarks.optimizer_step import matmul_rate, stock_comparison
+from benchmarks.training_step import GPTSize, _Trainer
+
+__all__ = ["GPU", "QUICK_CPU", "GpuBenchConfig", "run", "main"]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuBenchConfig:
+    """Sizes of the GPU run."""
+
+    matmul_size: int
+    ns_shapes: tuple[tuple[int, int], ...]
+    stock: TransformerShapes
+    gram_k: int
+    gram_ratios: tuple[int, ...]
+    gpt: GPTSize
+    warmup: int
+    repeats: int
+
+
+GPU = GpuBenchConfig(
+    matmul_size=8192,
+    # Hidden 4096 and 8192: attention (h, h), MLP (4h, h) and Llama-style (3.5h, h) weights.
+    ns_shapes=((4096, 4096), (16384, 4096), (8192, 8192), (28672, 8192)),
+    stock=TransformerShapes(num_layers=4, hidden=4096, ffn_hidden=16384),
+    gram_k=4096,
+    gram_ratios=(1, 4, 8),
+    # 1.07B params (Llama-3.2-1B's widths, 16 heads, untied-free: output shares the embedding).
+    gpt=GPTSize(
+        num_layers=16,
+        hidden=2048,
+        ffn_hidden=8192,
+        num_heads=16,
+        vocab_size=131072,
+        seq_length=4096,
+        micro_batch=1,
+    ),
+    warmup=3,
+    repeats=10,
+)
+
+QUICK_CPU = GpuBenchConfig(
+    matmul_size=128,
+    ns_shapes=((64, 64), (256, 64)),
+    stock=TransformerShapes(num_layers=1, hidden=64, ffn_hidden=256),
+    gram_k=32,
+    gram_ratios=(1, 4),
+    gpt=GPTSize(
+        num_layers=2,
+        hidden=64,
+        ffn_hidden=256,
+        num_heads=4,
+        vocab_size=512,
+        seq_length=32,
+        micro_batch=2,
+    ),
+    warmup=1,
+    repeats=2,
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# rank bodies (one rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def newton_schulz_rates(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: list[tuple[int, int]],
+    warmup: int,
+    repeats: int,
+) -> list[dict]:
+    """NS seconds and FLOP/s of each ``(rows, cols)`` fp32 matrix at Megatron's default precision
+    ("medium": bf16 matmuls), the standard method, 5 quintic steps."""
+    from megatron_muon.newton_schulz import NSConfig, orthogonalize
+
+    config = NSConfig()
+    torch.set_float32_matmul_precision("medium")
+    rows_out = []
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, device=device)
+        for _ in range(warmup):
+            orthogonalize(x, config)
+        seconds = median(
+            [timed(lambda x=x: orthogonalize(x, config), device) for _ in range(repeats)]
+        )
+        flops = config.flops(rows, cols)
+        rows_out.append(
+            {
+                "shape": [rows, cols],
+                "seconds": seconds,
+                "flops": flops,
+                "flops_per_s": flops / seconds,
+            }
+        )
+    return rows_out
+
+
+def stock_and_owner(
+    rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
+) -> dict:
+    """Section 3: the stock comparison, then the owner step alone (NS FLOPs over its time)."""
+    stock = stock_comparison(rank, world_size, device, shapes, warmup, repeats)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    owner = owner_step(rank, world_size, device, shapes, warmup, repeats)
+    return {"stock_s": stock["seconds"], "owner": owner}
+
+
+def training_kind(
+    rank: int, world_size: int, device: str, size: GPTSize, kind: str, warmup: int, repeats: int
+) -> dict:
+    """Section 5 for one optimizer kind, in a process of its own: median step and optimizer-step
+    seconds, forward+backward seconds, and memory (bytes): state (before a step) and step peak."""
+    trainer = _Trainer(size, world_size, device, kind)
+    for _ in range(warmup):
+        trainer.timed_step()
+    samples = [trainer.timed_step() for _ in range(repeats)]
+    synchronize(device)
+    dist.barrier()
+    result = {
+        "step_s": median([whole for whole, _ in samples]),
+        "optimizer_s": median([opt for _, opt in samples]),
+    }
+    result["forward_backward_s"] = result["step_s"] - result["optimizer_s"]
+    if kind == "muon":
+        result["ns_flops"] = trainer.muon_ns_flops()
+    if device == "cuda":
+        result["state_bytes"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.timed_step()
+        result["peak_bytes"] = torch.cuda.max_memory_allocated()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# the run
+# --------------------------------------------------------------------------------------------------
+
+
+def _gram_section(config: GpuBenchConfig, device: str) -> list[dict]:
+    timings = [
+        ns_methods.time_shape(
+            (config.gram_k, ratio * config.gram_k),
+            precision,
+            warmup=config.warmup,
+            repeats=config.repeats,
+            device=device,
+        )
+        for precision in ("fp16", "bf16")
+        for ratio in config.gram_ratios
+    ]
+    return [asdict(t) for t in timings]
+
+
+def _training_section(config: GpuBenchConfig, device: str) -> dict:
+    out: dict = {"model": asdict(config.gpt), "tokens_per_rank": config.gpt.tokens_per_rank()}
+    for kind in ("muon", "adamw"):
+        (out[kind],) = run_ranks(
+            training_kind, 1, device, config.gpt, kind, config.warmup, config.repeats
+        )
+    return out
+
+
+def run(device: str, config: GpuBenchConfig, log=print) -> dict:
+    """Every section in order; a section that raises is recorded (``"error"``) and the rest run."""
+    sections = {
+        "matmul": lambda: run_ranks(matmul_rate, 1, device, config.matmul_size, config.repeats)[0],
+        "newton_schulz": lambda: run_ranks(
+            newton_schulz_rates, 1, device, list(config.ns_shapes), config.warmup, config.repeats
+        )[0],
+        "stock": lambda: run_ranks(
+            stock_and_owner, 1, device, config.stock, config.warmup, config.repeats
+        )[0],
+        "gram": lambda: _gram_section(config, device),
+        "training": lambda: _training_section(config, device),
+    }
+    results: dict = {"config": asdict(config), "section_seconds": {}}
+    for name, section in sections.items():
+        start = time.monotonic()
+        try:
+            results[name] = section()
+        except Exception as error:  # noqa: BLE001 - reported, and the other sections still run
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+            log(traceback.format_exc())
+        results["section_seconds"][name] = time.monotonic() - start
+        log(f"[gpu bench] {name}: {results['section_seconds'][name]:.1f} s")
+    results["prediction"] = gpu_targets.predict(results, config)
+    results["targets"] = gpu_targets.verdicts(results)
+    return results
+
+
+def main(out_dir: str, quick: bool, device: str = "cuda") -> int:
+    """Runs the GPU benchmark; writes ``results.json`` and ``results.md`` under ``out_dir``."""
+    config = QUICK_CPU if quick and device == "cpu" else GPU
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results = run(device, config)
+    results["meta"] = _meta(device, time.monotonic() - started)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    text = gpu_targets.format_markdown(results)
+    (out / "results.md").write_text(text + "\n")
+    print(text)
+    errors = [
+        name for name, value in results.items() if isinstance(value, dict) and "error" in value
+    ]
+    return 1 if errors else 0
+
+
+def _meta(device: str, seconds: float) -> dict:
+    from benchmarks.__main__ import _device_name, _git_commit
+
+    return {
+        "device": device,
+        "device_name": _device_name(device),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "git_commit": _git_commit(),
+        "seconds": seconds,
+        "statistics": "median of repeats after warmup",
+    }

@@ -1,0 +1,63 @@
+"""First in ``make bench``: the machine's matmul rates, and the NS precision they pick.
+
+One thread's fp32 and bf16 matmul rates (``megatron_muon.matmul_rates``, 512^3) decide the run's NS
+precision: Megatron's default "medium" (bf16 NS matmuls) where bf16 runs within
+``BF16_SLOW_FACTOR`` of fp32, else "highest" (fp32): on a CPU without bf16 instructions bf16 NS is
+tens of times slower and the run would not finish in its time (measured: a DP=2 owner step past
+600 s on a Zen 3 core). The choice goes to every rank through ``NS_PRECISION_ENV`` (set before the
+first rank starts) and into ``results.json`` (``machine``), with the rates and the reason.
+
+The ranks' library notices (Transformer Engine / Apex not installed, deprecations, Megatron-FSDP's
+device notes) are said once here and silenced in the ranks (``quiet_rank``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from megatron_muon.matmul_rates import BF16_SLOW_FACTOR, bf16_is_slow, measure_matmul_rates
+
+__all__ = ["choose_ns_precision", "quiet_rank", "LIBRARY_NOTICE"]
+
+LIBRARY_NOTICE = (
+    "library warnings in the ranks (Transformer Engine / Apex not installed, deprecations, "
+    "Megatron-FSDP's device notes) are silenced"
+)
+
+
+def choose_ns_precision(device: str) -> dict:
+    """Measures the rates (CPU) and returns ``{"rates", "ns_precision", "reason"}``; exports the
+    precision to the ranks (``benchmarks.optimizer_step.NS_PRECISION_ENV``)."""
+    from benchmarks import optimizer_step
+
+    if device == "cuda":
+        choice = {"rates": None, "ns_precision": "medium", "reason": "GPU: bf16 tensor cores"}
+    else:
+        rates = measure_matmul_rates(size=512)
+        slow = bf16_is_slow(rates)
+        choice = {
+            "rates": {name: rate for name, rate in rates.items()},
+            "ns_precision": "highest" if slow else "medium",
+            "reason": (
+                f"bf16 over {BF16_SLOW_FACTOR:.0f}x slower than fp32 here: NS in fp32"
+                if slow
+                else "bf16 about as fast as fp32 here: Megatron's default, NS in bf16"
+            ),
+        }
+    os.environ[optimizer_step.NS_PRECISION_ENV] = choice["ns_precision"]
+    # The ranks' launcher process imports megatron at start: its import notices too.
+    os.environ["PYTHONWARNINGS"] = "ignore"
+    optimizer_step.MUON_KWARGS["fp32_matmul_prec"] = choice["ns_precision"]
+    return choice
+
+
+def quiet_rank(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """A rank body: ``fn(rank, world_size, *args)`` with Python warnings and log records below
+    ERROR off (``benchmarks.launcher.run_ranks`` launches every body through it)."""
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    return fn(rank, world_size, *args)

@@ -1,0 +1,90 @@
+"""CPU stand-ins for the uneven all-gather and reduce-scatter of expert tensor parallelism.
+
+With MoE and tensor parallelism > 1 (expert TP > 1), megatron-core's token dispatchers gather the
+tokens of the expert-TP group and reduce-scatter them back with per-rank row counts that differ
+(``gather_from_sequence_parallel_region(..., output_split_sizes=...)`` and its backward;
+megatron-core 0.19.2 ``tensor_parallel/mappings.py`` ``_gather_along_first_dim`` /
+``_reduce_scatter_along_first_dim``). Those pass lists of unequal tensors to
+``torch.distributed.all_gather`` / ``reduce_scatter``; NCCL takes them, gloo does not
+("ProcessGroupGloo::allgather: invalid tensor size").
+
+The stand-ins compute the same results with collectives gloo has, only where split sizes are
+given (the even paths are untouched):
+
+- all-gather: every rank's rows padded to the largest count, an even ``all_gather``, the padding
+  cut off (the gathered values are the inputs, bit for bit);
+- reduce-scatter: an ``all_reduce`` (sum) of the whole input, then this rank's rows (the same sum
+  over the same ranks; on CPU, only the order of the additions may differ).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon.cpu_stand_ins._replace import import_optional, replace_once
+
+__all__ = ["patch", "uneven_all_gather", "uneven_reduce_scatter"]
+
+
+def uneven_all_gather(
+    local: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Rows of every rank of ``group``, in rank order: ``(sum(split_sizes), *local.shape[1:])``.
+
+    ``local``: this rank's ``split_sizes[group.rank()]`` rows. Collective over ``group``.
+    """
+    largest = max(int(size) for size in split_sizes)
+    padded = local.new_zeros((largest, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in split_sizes]
+    dist.all_gather(gathered, padded.contiguous(), group=group)
+    return torch.cat(
+        [rows[: int(size)] for rows, size in zip(gathered, split_sizes, strict=True)], dim=0
+    )
+
+
+def uneven_reduce_scatter(
+    full: torch.Tensor, split_sizes: Sequence[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """This rank's rows of the sum over ``group`` of ``full`` (``(sum(split_sizes), ...)``).
+
+    Returns ``(split_sizes[group.rank()], *full.shape[1:])``. Collective over ``group``.
+    """
+    summed = full.contiguous().clone()
+    dist.all_reduce(summed, group=group)
+    start = sum(int(size) for size in split_sizes[: group.rank()])
+    return summed[start : start + int(split_sizes[group.rank()])].clone()
+
+
+def _gather(original: Any) -> Any:
+    @functools.wraps(original)
+    def gather(input_: Any, group: Any, output_split_sizes: Any = None, *args: Any, **kw: Any):
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, *args, **kw)
+        return uneven_all_gather(input_, output_split_sizes, group)
+
+    return gather
+
+
+def _reduce_scatter(original: Any) -> Any:
+    @functools.wraps(original)
+    def reduce_scatter(input_: Any, group: Any, input_split_sizes: Any = None, *args: Any, **kw):
+        if input_split_sizes is None or group is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, *args, **kw)
+        return uneven_reduce_scatter(input_, input_split_sizes, group)
+
+    return reduce_scatter
+
+
+def patch() -> None:
+    """The uneven paths of megatron-core's first-dim all-gather and reduce-scatter, on gloo."""
+    mappings = import_optional("megatron.core.tensor_parallel.mappings")
+    if mappings is None:
+        return
+    replace_once(mappings, "_gather_along_first_dim", _gather)
+    replace_once(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter)

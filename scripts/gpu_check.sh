@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, on a bare GPU machine whose python has torch and no megatron
+# packages: installs the wheels of ./.whl (`make gpu-wheels` downloads them) over that torch, runs
+# the `gpu` tests and `python -m benchmarks --device cuda`, and writes to OUTDIR:
+#   env.txt       GPU, driver, torch/CUDA/megatron versions, commit
+#   pytest.log    `pytest -m gpu` (its summary line last)
+#   bench.log     the benchmark's progress and report
+#   results.json  the benchmark's figures and target verdicts; results.md, its tables
+# Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md). Exit status: 0 when the tests and every
+# benchmark section ran; 1 otherwise; 2 without a CUDA device.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False):" \
+       "run this on a machine with an NVIDIA GPU; on CPU, use make test and make bench." >&2
+  exit 2
+fi
+
+SITE=${GPU_CHECK_SITE:-/tmp/megatron_muon_gpu_site}
+if ! "$PY" -c "import megatron.core, megatron_fsdp, emerging_optimizers" 2>/dev/null; then
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu_check: megatron-core is not installed and ./.whl has no wheels: run make gpu-wheels" \
+         "on a machine with internet access and bring .whl along" >&2
+    exit 1
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl || exit 1
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ local changes)')"
+  date -u "+%Y-%m-%d %H:%M UTC"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+status=0
+timeout 300 "$PY" -m pytest -m gpu tests -p no:cacheprovider -q -rA > "$OUT/pytest.log" 2>&1 || status=1
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest.log"
+timeout 420 "$PY" -m benchmarks --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+grep -v -E "UserWarning|warnings.warn|SyntaxWarning|Evict LRU" "$OUT/bench.log" | tail -60
+exit $status

@@ -1,0 +1,35 @@
+"""The GPU benchmark's code path (``python -m benchmarks --device cuda``), tiny sizes, CPU ranks:
+every section produces its figures, the targets are judged, the DP = 8-64 prediction is made."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import gpu_run, gpu_targets
+
+
+@pytest.fixture(scope="module")
+def quick_results():
+    return gpu_run.run("cpu", gpu_run.QUICK_CPU, log=lambda _: None)
+
+
+@pytest.mark.multirank
+def test_every_gpu_benchmark_section_runs_at_quick_sizes_on_cpu(quick_results):
+    for section in ("matmul", "newton_schulz", "stock", "gram", "training"):
+        assert "error" not in quick_results[section], quick_results[section]
+    assert quick_results["training"]["muon"]["ns_flops"] > 0
+
+
+@pytest.mark.multirank
+def test_gpu_targets_are_judged_and_the_prediction_covers_dp_8_to_64(quick_results):
+    targets = quick_results["targets"]
+    assert set(targets) == set(gpu_targets.TARGETS)
+    # Peak memory is read from the CUDA allocator only: not measured on CPU.
+    measured = {name for name, verdict in targets.items() if verdict["met"] is not None}
+    assert measured == set(gpu_targets.TARGETS) - {"muon_over_adamw_peak_memory"}
+    rows = quick_results["prediction"]["rows"]
+    assert [row["dp"] for row in rows] == [1, *gpu_targets.PREDICTED_DP]
+    # More ranks share the same NS work: the busiest rank's FLOPs never grow with DP.
+    flops = [row["ns_flops_max"] for row in rows]
+    assert flops == sorted(flops, reverse=True) and flops[-1] < flops[0]
+    assert "| target | bound | measured | met |" in gpu_targets.format_markdown(quick_results)
