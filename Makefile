@@ -3,8 +3,8 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers-deps lint clean \
-	gpu-wheels
+.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers bench-peers-deps \
+	lint clean gpu-wheels
 
 venv:
 	@bash scripts/setup_venv.sh
@@ -41,8 +41,12 @@ test-torch-2.11:
 demo: venv
 	$(PY) -m megatron_muon.demo
 
-bench: venv bench-peers-deps
+bench: venv
 	$(PY) -m benchmarks
+
+# `make bench` plus the peers, ideal-ratio and overlap sections (docs/benchmarks.md).
+bench-peers: venv bench-peers-deps
+	$(PY) -m benchmarks --peers
 
 # The peers `make bench` compares with (docs/benchmarks.md, "Peers"): bench extras, never install
 # requirements of megatron-muon. --no-deps: each would otherwise pull its own torch; what they import

@@ -53,7 +53,13 @@ from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.overlap import overlap_section
 from benchmarks.peers import peers_section
-from benchmarks.report import ANCHOR, format_markdown, format_report, missing_figures
+from benchmarks.report import (
+    ANCHOR,
+    PEERS_FIGURES,
+    format_markdown,
+    format_report,
+    missing_figures,
+)
 from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
 
 # The full run's stated time on 2 CPU cores (about 11 minutes measured with nothing else running).
@@ -262,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (~30 s)")
     parser.add_argument("--out", default="bench_out", help="directory for results.json")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also the peers, ideal-ratio and overlap sections (make bench-peers installs the "
+        "peers; docs/benchmarks.md: built, not yet measured on a quiet machine; minutes more)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
@@ -319,17 +331,20 @@ def main(argv: list[str] | None = None) -> int:
             config.warmup,
             config.repeats,
         )
-    results["overlap"] = timed_section(
-        "overlap",
-        overlap_section,
-        config.dense,
-        args.device,
-        dp_sizes,
-        config.overlap_bucket_size_bytes,
-        config.warmup,
-        config.repeats,
-    )
-    results["peers"] = timed_section("peers", peers_section, config.dense, args.device, dp_sizes)
+    if args.peers:
+        results["overlap"] = timed_section(
+            "overlap",
+            overlap_section,
+            config.dense,
+            args.device,
+            dp_sizes,
+            config.overlap_bucket_size_bytes,
+            config.warmup,
+            config.repeats,
+        )
+        results["peers"] = timed_section(
+            "peers", peers_section, config.dense, args.device, dp_sizes
+        )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
     shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
     results["ns_batching"] = timed_section("ns_batching", ns_batching.batching_rows, shapes)
@@ -341,18 +356,19 @@ def main(argv: list[str] | None = None) -> int:
         "training_step", training_step_section, config, args.device
     )
     results["training_step"] = training
-    ideal = timed_section(
-        "ideal_ratio",
-        ideal_ratio_section,
-        config.gpt,
-        config.ideal_ratio_micro_batches,
-        config.train_dp,
-        args.device,
-        config.warmup,
-        config.repeats,
-    )
-    ideal["plot"] = plot_ideal_ratio(ideal, out_dir)
-    results["ideal_ratio"] = ideal
+    if args.peers:
+        ideal = timed_section(
+            "ideal_ratio",
+            ideal_ratio_section,
+            config.gpt,
+            config.ideal_ratio_micro_batches,
+            config.train_dp,
+            args.device,
+            config.warmup,
+            config.repeats,
+        )
+        ideal["plot"] = plot_ideal_ratio(ideal, out_dir)
+        results["ideal_ratio"] = ideal
     results["memory"] = {
         "training_step": training_memory,
         "exchange_transient": exchange_transient_section(results["optimizer_step"], args.device),
@@ -384,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "section_seconds": section_seconds,
         "results_path": str(out_dir / "results.json"),
     }
-    missing = missing_figures(results)
+    missing = missing_figures(results, PEERS_FIGURES if args.peers else ())
     if missing:
         raise RuntimeError(f"results lack figures: {missing}")
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

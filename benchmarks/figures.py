@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from benchmarks.headline import RATIOS
 
-__all__ = ["REQUIRED_FIGURES", "missing_figures"]
+__all__ = ["PEERS_FIGURES", "REQUIRED_FIGURES", "missing_figures"]
 
 # Every figure the issue asks for, as dotted paths into results.json ("*" = every DP entry).
 REQUIRED_FIGURES = (
@@ -55,6 +55,9 @@ REQUIRED_FIGURES = (
     "matmul_peak.flops_per_s",
     "ns_methods",
     "ns_batching",
+)
+# The figures of ``python -m benchmarks --peers`` (the ideal-ratio and overlap sections).
+PEERS_FIGURES = (
     "ideal_ratio.rows",
     "ideal_ratio.largest_tokens_measured_over_ideal",
     "overlap.by_dp.*.overlapped_over_sequential_s",
@@ -62,9 +65,9 @@ REQUIRED_FIGURES = (
 )
 
 
-def missing_figures(results: dict) -> list[str]:
-    """Each ``REQUIRED_FIGURES`` path absent from ``results``, with ``*`` replaced by the keys
-    present (a ``*`` level with no keys at all is reported with the ``*`` in place)."""
+def missing_figures(results: dict, extra: tuple[str, ...] = ()) -> list[str]:
+    """Each ``REQUIRED_FIGURES`` (and ``extra``) path absent from ``results``, with ``*`` replaced
+    by the keys present (a ``*`` level with no keys at all is reported with the ``*`` in place)."""
     missing: list[str] = []
 
     def walk(node: object, parts: list[str], done: list[str]) -> None:
@@ -79,6 +82,6 @@ def missing_figures(results: dict) -> list[str]:
         else:
             missing.append(".".join(done + parts))
 
-    for figure in REQUIRED_FIGURES:
+    for figure in (*REQUIRED_FIGURES, *extra):
         walk(results, figure.split("."), [])
     return missing

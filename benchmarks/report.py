@@ -10,11 +10,18 @@ import json
 import sys
 
 from benchmarks.buckets import format_buckets
-from benchmarks.figures import REQUIRED_FIGURES, missing_figures
+from benchmarks.figures import PEERS_FIGURES, REQUIRED_FIGURES, missing_figures
 from benchmarks.headline import format_headline
 from benchmarks.ns_batching import format_batching
 
-__all__ = ["ANCHOR", "REQUIRED_FIGURES", "format_markdown", "format_report", "missing_figures"]
+__all__ = [
+    "ANCHOR",
+    "PEERS_FIGURES",
+    "REQUIRED_FIGURES",
+    "format_markdown",
+    "format_report",
+    "missing_figures",
+]
 
 ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
 

@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.multirank
 def test_quick_benchmark_writes_every_required_figure(tmp_path):
-    from benchmarks.report import REQUIRED_FIGURES, missing_figures
+    from benchmarks.report import PEERS_FIGURES, REQUIRED_FIGURES, missing_figures
 
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks", "--quick", "--peers", "--out", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -25,7 +25,7 @@ def test_quick_benchmark_writes_every_required_figure(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert missing_figures(results) == []
+    assert missing_figures(results, PEERS_FIGURES) == []
     assert len(REQUIRED_FIGURES) >= 30
     assert sorted(results["optimizer_step"]["dense"]["by_dp"]) == ["1", "2", "4"]
     for model in ("dense", "moe"):
