@@ -1,7 +1,8 @@
 """Batched against one-by-one Newton-Schulz, per matrix shape: where batching same-shape NS pays.
 
 ``python -m benchmarks.ns_batching [--quick]``: for each shape, ``B`` same-shape fp32 matrices
-orthogonalized (Megatron's settings: 5 quintic steps, bf16 matmuls) in one batched call
+orthogonalized (Megatron's settings: 5 quintic steps; the run's NS precision, bf16 matmuls
+unless ``benchmarks.machine`` chose fp32) in one batched call
 (``orthogonalize_batch``: a stacking copy, then batched matmuls) and one by one (2-D calls, no
 copy), in turn, best of ``repeats``, one thread. ``ns_runner.batch_pays`` batches on CPU only the
 shapes at or below ``CPU_BATCH_MAX_NUMEL`` elements; the table shows where that bound comes from.
@@ -43,6 +44,7 @@ def _best(fn, repeats: int) -> float:
 
 def batching_rows(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     """Best seconds of the batched and one-by-one NS of each ``(rows, cols, batch)``."""
+    from benchmarks.optimizer_step import MUON_KWARGS
     from megatron_muon.newton_schulz import NSConfig, orthogonalize_batch, scaled_orthogonalize
     from megatron_muon.ns_runner import batch_pays
 
@@ -51,7 +53,8 @@ def batching_rows(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     rows_out = []
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("medium")
+    # The run's NS precision (benchmarks.machine): bf16 matmuls where the CPU has bf16 instructions.
+    torch.set_float32_matmul_precision(MUON_KWARGS["fp32_matmul_prec"])
     try:
         for rows, cols, batch in shapes:
             matrices = [torch.randn(rows, cols, generator=generator) for _ in range(batch)]
@@ -85,7 +88,8 @@ def batching_rows(shapes=SHAPES, repeats: int = 3) -> list[dict]:
 def format_batching(rows: list[dict]) -> list[str]:
     """The rows as Markdown lines."""
     lines = [
-        "**Batched vs one-by-one Newton-Schulz** (one thread, bf16 matmuls, best of the runs; "
+        "**Batched vs one-by-one Newton-Schulz** (one thread, the run's NS precision, best of the "
+        "runs; "
         "above 1 batching pays)",
         "",
         "| shape | batch | batched ms | one by one ms | one by one / batched | batched by "

@@ -212,7 +212,9 @@ def _load_step_kernels(device: str) -> None:
     matrix = torch.nn.Parameter(torch.randn(64, 128, device=device))
     vector = torch.nn.Parameter(torch.randn(64, device=device))
     matrix.grad, vector.grad = torch.randn_like(matrix), torch.randn_like(vector)
-    ShardedMuon([matrix], fp32_matmul_prec="medium").step()
+    from benchmarks.optimizer_step import MUON_KWARGS
+
+    ShardedMuon([matrix], fp32_matmul_prec=MUON_KWARGS["fp32_matmul_prec"]).step()
     torch.optim.AdamW([vector]).step()
 
 

@@ -75,7 +75,7 @@ def _with_channels(original: Any) -> Any:
         for name in ("k_channels", "v_channels")
     ]
     keep = [p for p in parameters if p.kind != inspect.Parameter.VAR_KEYWORD]
-    __init__.__signature__ = inspect.Signature([*keep, *extra])  # type: ignore[attr-defined]
+    setattr(__init__, "__signature__", inspect.Signature([*keep, *extra]))  # noqa: B010
     return __init__
 
 
