@@ -215,7 +215,8 @@ def format_headline(section: dict) -> list[str]:
     lines += [
         "",
         f"Ideal DP=2 step: {reps[0]['ns_flops_per_rank_max'] / 1e9:.1f} GFLOP of NS on the "
-        f"busiest rank at the bf16 matmul rate measured in each repetition "
+        f"busiest rank at the {reps[0].get('matmul_dtype', 'bfloat16')} matmul rate measured "
+        "in each repetition "
         f"({section['matmul_size']}^3, one rank alone: {_range(rates, 3)} TFLOP/s) = "
         f"{_range(ideal, 3)} s.",
         "",
