@@ -12,12 +12,7 @@ from __future__ import annotations
 
 from benchmarks.launcher import run_ranks
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import (
-    MUON_KWARGS,
-    peak_step_memory,
-    sharded_params,
-    time_alternating,
-)
+from benchmarks.optimizer_step import MUON_KWARGS, owner_step_figures, sharded_params
 
 __all__ = ["bucket_section", "bucket_sweep", "format_buckets"]
 
@@ -47,16 +42,7 @@ def bucket_sweep(
         str(size): ShardedMuon(params, mode="owner", bucket_size_bytes=size, **MUON_KWARGS)
         for size in bucket_sizes
     }
-    seconds = time_alternating(optimizers, device, warmup, repeats)
-    memory = peak_step_memory(optimizers, device)
-    return {
-        name: {
-            "seconds": seconds[name],
-            "transient_bytes": memory[name],
-            "held_bytes": optimizer.step_stats.peak_full_matrix_bytes,
-        }
-        for name, optimizer in optimizers.items()
-    }
+    return owner_step_figures(optimizers, device, warmup, repeats)
 
 
 def bucket_section(

@@ -21,6 +21,7 @@ from benchmarks.models import ShapeModel, TransformerShapes, shard_like_megatron
 __all__ = [
     "MUON_KWARGS",
     "matmul_rate",
+    "owner_step_figures",
     "owner_vs_gather",
     "peak_step_memory",
     "sharded_params",
@@ -97,6 +98,22 @@ def peak_step_memory(optimizers: dict, device: str) -> dict:
             peaks[name] = probe.peak_above_start()
         dist.barrier()
     return peaks
+
+
+def owner_step_figures(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
+    """``{name: {seconds, transient_bytes, held_bytes}}`` of owner-mode ``ShardedMuon`` variants on
+    the same params: median step time (stepped in turn), one step's transient memory and the full
+    matrices held at once (``StepStats.peak_full_matrix_bytes``)."""
+    seconds = time_alternating(optimizers, device, warmup, repeats)
+    memory = peak_step_memory(optimizers, device)
+    return {
+        name: {
+            "seconds": seconds[name],
+            "transient_bytes": memory[name],
+            "held_bytes": optimizer.step_stats.peak_full_matrix_bytes,
+        }
+        for name, optimizer in optimizers.items()
+    }
 
 
 def owner_vs_gather(

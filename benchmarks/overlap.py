@@ -12,12 +12,7 @@ from __future__ import annotations
 
 from benchmarks.launcher import run_ranks
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import (
-    MUON_KWARGS,
-    peak_step_memory,
-    sharded_params,
-    time_alternating,
-)
+from benchmarks.optimizer_step import MUON_KWARGS, owner_step_figures, sharded_params
 
 __all__ = ["overlap_pair", "overlap_section"]
 
@@ -51,16 +46,7 @@ def overlap_pair(
         )
         for name, overlap in PIPELINES.items()
     }
-    seconds = time_alternating(optimizers, device, warmup, repeats)
-    memory = peak_step_memory(optimizers, device)
-    return {
-        name: {
-            "seconds": seconds[name],
-            "transient_bytes": memory[name],
-            "held_bytes": optimizer.step_stats.peak_full_matrix_bytes,
-        }
-        for name, optimizer in optimizers.items()
-    }
+    return owner_step_figures(optimizers, device, warmup, repeats)
 
 
 def overlap_section(
