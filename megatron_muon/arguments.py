@@ -37,9 +37,10 @@ QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, rea
   (default 100) and ``--qk-clip-alpha``, nothing is added: QK-clip is on exactly when ``--qk-clip``
   is given, with Megatron's ``--qk-clip-threshold`` (with muon + Megatron-FSDP,
   ``megatron_muon.integrations.megatron_lm`` moves ``--qk-clip`` to ``args.muon_qk_clip`` so that
-  Megatron's own ``clip_qk`` does not run on the compute weights). ``--qk-clip-alpha``
-  (Megatron's split of the factor between q and k) is not used: ``QKClip`` scales q and k by
-  ``sqrt(eta)`` each (MHA) and gives every GQA head exactly its own factor (``qk_clip``).
+  Megatron's own ``clip_qk`` does not run on the compute weights). ``--qk-clip-alpha`` (Megatron's
+  split of the factor between q and k, default 0.5) is Megatron's flag there and added here
+  otherwise; ``QKClip`` scales queries by ``eta^alpha`` and keys by ``eta^(1 - alpha)`` and gives
+  every GQA head exactly its own factor (``qk_clip_rows``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any, get_args
 
 from megatron_muon.config import (
     DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_QK_CLIP_ALPHA,
     MuonConfig,
     MuonFsdpConfig,
     qk_clip_threshold,
@@ -133,6 +135,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help="QK-clip (MuonClip): after each step, scale the q/k weight rows of every "
             "attention head whose max pre-softmax logit exceeded this threshold. Default: off.",
         )
+    if not _has_option(parser, "--qk-clip-alpha"):
+        group.add_argument(
+            "--qk-clip-alpha",
+            type=float,
+            default=DEFAULT_QK_CLIP_ALPHA,
+            help="QK-clip: the query side's share of a head's logit factor eta (queries scaled by "
+            "eta^alpha, keys by eta^(1-alpha)), in (0, 1). Megatron-LM's flag and default.",
+        )
     return parser
 
 
@@ -204,6 +214,11 @@ def check_muon_args(args: argparse.Namespace) -> None:
             "--qk-clip-threshold",
             "qk_clip_threshold",
             lambda v: MuonFsdpConfig(qk_clip_threshold=qk_clip_threshold(args)),
+        ),
+        (
+            "--qk-clip-alpha",
+            "qk_clip_alpha",
+            lambda v: MuonFsdpConfig(qk_clip_threshold=qk_clip_threshold(args), qk_clip_alpha=v),
         ),
     ]
     for flag, name, build in checks:

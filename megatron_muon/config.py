@@ -35,12 +35,20 @@ from megatron_muon.options import (
     check_choice,
 )
 
-__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig", "qk_clip_threshold"]
+__all__ = [
+    "DEFAULT_BUCKET_SIZE_BYTES",
+    "DEFAULT_QK_CLIP_ALPHA",
+    "MuonConfig",
+    "MuonFsdpConfig",
+    "qk_clip_threshold",
+]
 
 # The default bound on the fp32 full matrices an owner step holds at once: on the benchmark's
 # dense model at DP=2 the smallest bucket whose step is within 5% of one bucket's time
 # (docs/benchmarks.md, "Exchange bucket size").
 DEFAULT_BUCKET_SIZE_BYTES = 16 * 2**20
+# megatron-core's TransformerConfig.qk_clip_alpha and Megatron-LM's --qk-clip-alpha default.
+DEFAULT_QK_CLIP_ALPHA = 0.5
 
 # ``MuonFsdpConfig`` field <- the ``megatron_muon.arguments`` flag's attribute on parsed args.
 _FLAG_ATTRIBUTES = {
@@ -50,6 +58,7 @@ _FLAG_ATTRIBUTES = {
     "gram_restarts": "muon_gram_restarts",
     "offload_momentum": "muon_offload_momentum",
     "overlap_buckets": "muon_fsdp_overlap_buckets",
+    "qk_clip_alpha": "qk_clip_alpha",
 }
 
 
@@ -133,6 +142,9 @@ class MuonFsdpConfig:
         qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.qk_clip.QKClip``) applied to every
             megatron-core ``SelfAttention`` of the model after each step; None = off. Not a
             ``ShardedMuon`` keyword: the factory builds the ``QKClip`` and the step wrapper runs it.
+        qk_clip_alpha: the query side's share of each clipped head's factor ``eta`` (queries
+            ``eta^alpha``, keys ``eta^(1 - alpha)``; ``--qk-clip-alpha``), in (0, 1) when QK-clip
+            is on.
     """
 
     mode: FsdpModeT = "owner"
@@ -143,6 +155,7 @@ class MuonFsdpConfig:
     offload_momentum: bool = False
     overlap_buckets: bool = False
     qk_clip_threshold: float | None = None
+    qk_clip_alpha: float = DEFAULT_QK_CLIP_ALPHA
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, FsdpModeT)
@@ -157,6 +170,9 @@ class MuonFsdpConfig:
             raise ValueError(
                 f"qk_clip_threshold must be positive (None: off), got {self.qk_clip_threshold}"
             )
+        if self.qk_clip_threshold is not None and not 0 < self.qk_clip_alpha < 1:
+            # Megatron-LM's rule for --qk-clip-alpha (checked only when QK-clip is on).
+            raise ValueError(f"qk_clip_alpha must be in (0, 1), got {self.qk_clip_alpha}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MuonFsdpConfig:

@@ -49,7 +49,7 @@ from megatron_muon.process_groups import (
     row_group,
     strategy_name,
 )
-from megatron_muon.qk_clip import QKClip, find_self_attentions
+from megatron_muon.qk_clip import QKClip, find_attentions
 from megatron_muon.routing import (
     RoutedParam,
     Routing,
@@ -107,8 +107,9 @@ def build_muon_optimizer(
             ``parallel_state`` is initialized, else the groups the ``MegatronFSDP`` modules use.
         fsdp_config: megatron-muon's owner/gather mode and friends (default ``MuonFsdpConfig()``).
             With ``qk_clip_threshold`` set, a ``QKClip`` over every megatron-core
-            ``SelfAttention`` in the chunks is built here, on the optimizer params (before any
-            forward swaps the compute weights in), and the wrapper runs it after each step.
+            ``SelfAttention`` and ``MultiLatentAttention`` in the chunks is built here, on the
+            optimizer params (before any forward swaps the compute weights in), and the wrapper
+            runs it after each step.
         grads_already_synced: True inside Megatron-LM's training loop (``finalize_model_grads``
             already called ``finish_grad_sync``); False for a custom loop (see ``FsdpStepWrapper``).
         ckpt_format: None: an ``FsdpStepWrapper``, checkpointed with
@@ -304,40 +305,25 @@ def _qk_clip(
 ) -> QKClip | None:
     """MuonClip's ``QKClip`` when ``fsdp_config.qk_clip_threshold`` is set, else None.
 
-    Built now, while every ``linear_qkv`` weight (and bias) is the DTensor row shard the optimizer
-    updates (a forward swaps in the compute weights); max logits are all-reduced over the dense
-    data-parallel group (``dp_cp``), whose ranks see different tokens.
+    Built now, while every clipped weight (``linear_qkv``; MLA's query and kv up-projections) is
+    the DTensor row shard the optimizer updates (a forward swaps in the compute weights); max
+    logits are all-reduced over the dense data-parallel group (``dp_cp``), whose ranks see
+    different tokens; the clipped-head count is summed over ``tp``.
     """
-    if fsdp_config.qk_clip_threshold is None:
+    threshold = fsdp_config.qk_clip_threshold
+    if threshold is None:
         return None
-    _refuse_latent_attention(chunks, fsdp_config.qk_clip_threshold)
-    attentions = find_self_attentions(chunks)
+    attentions = find_attentions(chunks)
     if not attentions:
         raise ValueError(
-            f"qk_clip_threshold={fsdp_config.qk_clip_threshold} but the model has no megatron-core "
-            "SelfAttention layer to clip"
+            f"qk_clip_threshold={threshold} but the model has no megatron-core SelfAttention or "
+            "MultiLatentAttention layer to clip"
         )
     group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
-    return QKClip(attentions, fsdp_config.qk_clip_threshold, group=group)
-
-
-def _refuse_latent_attention(chunks: list[torch.nn.Module], threshold: float) -> None:
-    """MuonClip clips MHA/GQA ``SelfAttention`` layers only: a model with Multi-Latent Attention
-    layers is refused (naming them) rather than left half-clipped."""
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-
-    names = [
-        name
-        for chunk in chunks
-        for name, module in chunk.named_modules()
-        if isinstance(module, MultiLatentAttention)
-    ]
-    if names:
-        raise ValueError(
-            f"qk_clip_threshold={threshold}: MuonClip on Multi-Latent Attention is not supported "
-            f"yet ({len(names)} MLA layers, first {names[0]}); megatron-muon clips MHA/GQA "
-            "SelfAttention layers only. Train this model without --qk-clip."
-        )
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    return QKClip(
+        attentions, threshold, group=group, alpha=fsdp_config.qk_clip_alpha, tp_group=tp_group
+    )
 
 
 def _scalar_optimizer(

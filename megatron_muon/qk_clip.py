@@ -3,30 +3,27 @@
 After each optimizer step, for every attention head ``h`` whose largest pre-softmax logit
 ``max_h = max softmax_scale * q_h . k`` seen in the forward passes since the last clip exceeds the
 threshold ``tau``, the query and key weight rows of the head are scaled so that its logits are
-multiplied by ``eta_h = tau / max_h`` (``eta_h = 1`` for the other heads):
-
-- MHA: the query rows and the key rows of head ``h`` are each scaled by ``sqrt(eta_h)``.
-- GQA (``G`` query heads share one key head): the shared key rows are scaled by ``sqrt(eta_g)``,
-  ``eta_g = min`` of ``eta`` over the group, and each query head's rows by ``eta_h / sqrt(eta_g)``,
-  so that every head's logits are scaled by exactly its own ``eta_h`` (a group of one is MHA).
-  megatron-core's own ``SelfAttention.clip_qk`` instead scales every head of a group by ``eta_g``.
-
-Value rows are untouched; a ``linear_qkv`` bias is scaled with its weight rows (the logits are
-bilinear in the full projections, bias included).
+multiplied by ``eta_h = tau / max_h`` (``eta_h = 1`` for the other heads, including heads whose
+max logit is negative or that saw no token): ``eta^alpha`` on the query side and
+``eta^(1 - alpha)`` on the key side (``alpha``: ``--qk-clip-alpha``, default 0.5). Which rows those
+are for MHA/GQA ``SelfAttention`` (``linear_qkv``, bias included) and for Multi-Latent Attention
+(the query and ``linear_kv_up_proj`` up-projections; MLA's shared rotary key is left alone) is
+``megatron_muon.qk_clip_rows``; value rows are never touched.
 
 Where the max logits come from: with TE's fused attention (TE >= 2.9, ``return_max_logit``) the core
 attention records ``current_max_attn_logits`` itself and that is read; otherwise a forward hook on
 ``core_attention`` recomputes the scaled ``q k^T`` per head (masked entries excluded; causal masks
-from ``attn_mask_type`` as well as explicit ``attention_mask``s) and keeps the running max. Packed
-(THD) sequences are TE-only. QK-clip cannot act through QK layernorm, so it refuses such layers.
+from ``attn_mask_type`` as well as explicit ``attention_mask``s) and keeps the running max, so the
+local (non-TE) attention needs nothing more. Packed (THD) sequences are TE-only. QK-clip cannot act
+through QK layernorm on the heads (MLA's norms on the compressed latents are fine), so it refuses
+such layers, and MLA with DSA or ``cache_mla_latents``.
 
-Sharding. ``linear_qkv``'s (tensor-parallel-local) rows are interleaved per query group:
-``[q heads of group 0 (G * d rows), k of group 0 (d), v of group 0 (d), q heads of group 1, ...]``.
-Under tensor parallelism each TP rank holds whole query groups and their heads, so everything above
-is TP-local and needs no TP communication. Under Megatron-FSDP each data-parallel rank holds a
-contiguous row range ``[start, stop)`` of that matrix (``megatron_muon.layout``) and scales only its
-own rows with the matching slice of the per-row scales. The max logits are all-reduced (MAX) over
-the data-parallel group first, since its ranks saw different tokens and must agree on ``eta``.
+Sharding. Under tensor parallelism each TP rank holds whole heads (whole query groups) and their
+rows, so the scales are TP-local; only the reported clipped-head count and max logit are
+reduced over the TP group (``tp_group``). Under Megatron-FSDP each data-parallel rank holds a
+contiguous row range ``[start, stop)`` of each matrix (``megatron_muon.layout``) and scales only
+its own rows with the matching slice of the per-row scales. The max logits are all-reduced (MAX)
+over the data-parallel group first, since its ranks saw different tokens and must agree on ``eta``.
 
 Call ``QKClip.clip()`` after ``optimizer.step()`` on the params the optimizer updated (under
 Megatron-FSDP: before the updated weights are installed into the compute buffers). Under
@@ -38,57 +35,37 @@ pass the optimizer's params explicitly.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_muon.layout import gather_row_layouts, local_tensor
+from megatron_muon.qk_clip_rows import (
+    DEFAULT_ALPHA,
+    HeadRows,
+    check_clippable,
+    find_attentions,
+    head_rows,
+    softmax_scale,
+)
 
-__all__ = [
-    "QKClip",
-    "QKClipStats",
-    "find_self_attentions",
-    "head_clip_factors",
-    "qkv_row_scales",
-    "scale_local_rows_",
-]
+__all__ = ["QKClip", "QKClipStats", "find_attentions", "head_clip_factors", "scale_local_rows_"]
 
 
 def head_clip_factors(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """``eta_h = tau / max_h`` where ``max_h > tau``, else 1. ``(H,)`` in, ``(H,)`` fp32 out."""
+    """``eta_h = tau / max_h`` where ``max_h > tau``, else 1 (also for negative or -inf maxima,
+    which megatron-core's ``clamp(tau / max, max=1)`` would make negative).
+
+    ``(H,)`` in, ``(H,)`` fp32 out.
+    """
     max_logits = max_logits.float()
     clipped = max_logits > threshold
     return torch.where(clipped, threshold / max_logits.clamp_min(threshold), 1.0)
-
-
-def qkv_row_scales(eta: torch.Tensor, num_query_groups: int, head_dim: int) -> torch.Tensor:
-    """Per-row scale of a (TP-local) ``linear_qkv`` weight for per-head logit factors ``eta``.
-
-    Args:
-        eta: ``(H,)`` logit factor of each query head, in ``(0, 1]``; heads ordered by group.
-        num_query_groups: ``G`` key/value heads (``H % G == 0``).
-        head_dim: ``d`` rows per head.
-
-    Returns:
-        ``(G * (H / G + 2) * d,)`` fp32: per group, ``eta_h / sqrt(eta_g)`` for each query head's
-        ``d`` rows, ``sqrt(eta_g)`` for the key rows and 1 for the value rows, where ``eta_g`` is
-        the group's smallest ``eta``.
-    """
-    num_heads = eta.numel()
-    if num_heads % num_query_groups:
-        raise ValueError(f"{num_heads} heads do not split into {num_query_groups} query groups")
-    eta = eta.float().view(num_query_groups, num_heads // num_query_groups)
-    key_scale = eta.min(dim=1, keepdim=True).values.sqrt()  # (G, 1)
-    query = (eta / key_scale).repeat_interleave(head_dim, dim=1)  # (G, H/G * d)
-    key = key_scale.expand(-1, head_dim)
-    value = torch.ones_like(key)
-    return torch.cat([query, key, value], dim=1).reshape(-1)
 
 
 def scale_local_rows_(local_rows: torch.Tensor, row_scales: torch.Tensor, start: int) -> None:
@@ -107,14 +84,10 @@ def scale_local_rows_(local_rows: torch.Tensor, row_scales: torch.Tensor, start:
     local_rows.mul_(scales.view(num_rows, *([1] * (local_rows.ndim - 1))))
 
 
-def find_self_attentions(modules: Iterable[torch.nn.Module]) -> list[SelfAttention]:
-    """Every megatron-core ``SelfAttention`` inside ``modules`` (model chunks), in module order."""
-    return [m for module in modules for m in module.modules() if isinstance(m, SelfAttention)]
-
-
 @dataclass(frozen=True, slots=True)
 class QKClipStats:
-    """One clip: heads clipped (TP-local heads of all layers) and the largest max logit seen."""
+    """One clip: heads clipped over all layers and the largest max logit seen (over every TP
+    partition's heads when ``QKClip`` has a ``tp_group``, else over this partition's)."""
 
     num_clipped_heads: int
     max_logit: float
@@ -161,64 +134,59 @@ class _MaxLogitHook:
 
 
 class QKClip:
-    """MuonClip's QK-clip over megatron-core self-attention layers (see the module docstring).
+    """MuonClip's QK-clip over megatron-core attention layers (see the module docstring).
 
     Args:
-        attentions: the ``SelfAttention`` layers to clip (``find_self_attentions(model)``).
+        attentions: the ``SelfAttention`` / ``MultiLatentAttention`` layers to clip
+            (``find_attentions(model)``).
         threshold: ``tau`` > 0, in units of pre-softmax logits (``--qk-clip-threshold``).
         group: data-parallel group (``dp_cp``) whose ranks see different tokens and over which
             the weights' rows are sharded; ``None`` when not distributed.
-        params: per attention, the tensors whose rows to scale, each with ``linear_qkv``'s rows
-            (dim 0): default ``[linear_qkv.weight]`` plus ``linear_qkv.bias`` if any. Plain
-            tensors or Megatron-FSDP ``Shard(0)`` DTensors.
+        params: per attention, the tensors whose rows to scale, standing in for
+            ``qk_clip_rows.head_rows(attention)``'s tensors in that order (``linear_qkv`` weight
+            and bias; MLA: the query and kv up-projection weights), each with those rows (dim 0):
+            plain tensors or Megatron-FSDP ``Shard(0)`` DTensors. Default: the modules' own.
+        alpha: the query side's share of each head's factor, in (0, 1) (``--qk-clip-alpha``).
+        tp_group: the tensor-parallel group, over which ``clip()``'s reported count of clipped
+            heads is summed and the max logit maxed (the scaling itself is TP-local).
 
-    Collective over ``group`` at construction (row layouts) and in ``clip()`` (one all-reduce).
+    Collective over ``group`` at construction (row layouts) and in ``clip()`` (one all-reduce,
+    plus two small ones over ``tp_group`` when it has more than one rank).
     """
 
     def __init__(
         self,
-        attentions: Sequence[SelfAttention],
+        attentions: Sequence[Attention],
         threshold: float,
         group: dist.ProcessGroup | None = None,
         params: Sequence[Sequence[torch.Tensor]] | None = None,
+        *,
+        alpha: float = DEFAULT_ALPHA,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not threshold > 0:
             raise ValueError(f"QK-clip threshold must be positive, got {threshold}")
+        if not 0 < alpha < 1:
+            raise ValueError(f"QK-clip alpha must be in (0, 1), got {alpha}")
         if params is not None and len(params) != len(attentions):
             raise ValueError(f"{len(params)} param lists for {len(attentions)} attention layers")
+        for index, attention in enumerate(attentions):
+            check_clippable(attention, index)
         self.attentions = list(attentions)
         self.threshold = float(threshold)
+        self.alpha = float(alpha)
         self.group = group
-        self.params: list[list[torch.Tensor]] = (
-            [list(p) for p in params]
-            if params is not None
-            else [_default_params(attention) for attention in self.attentions]
-        )
-        for index, attention in enumerate(self.attentions):
-            _check_supported(attention, index)
-        flat = [tensor for tensors in self.params for tensor in tensors]
-        # Rows of each param's TP-local matrix: under tensor parallelism a Megatron-FSDP DTensor
-        # has the global shape of the unsplit weight.
-        layouts = iter(gather_row_layouts(flat, group) if flat else [])
-        layouts_of = [[next(layouts) for _ in tensors] for tensors in self.params]
-        for index, attention in enumerate(self.attentions):
-            rows = _qkv_rows_per_partition(attention)
-            for tensor, layout in zip(self.params[index], layouts_of[index], strict=True):
-                if layout.num_rows != rows:
-                    raise ValueError(
-                        f"attention {index}: a QK-clip param of shape {tuple(tensor.shape)} "
-                        f"({layout.num_rows} rows per TP partition) does not have the {rows} "
-                        "rows of this TP rank's linear_qkv"
-                    )
-        rank = dist.get_rank(group) if group is not None else 0
-        self._row_starts = [[layout.ranges[rank][0] for layout in of] for of in layouts_of]
+        self.tp_group = tp_group
+        self._rows: list[list[HeadRows]] = [head_rows(a, self.alpha) for a in self.attentions]
+        self.params = self._params(params)
+        self._row_starts = self._locate_rows()
         self._hooks: list[_MaxLogitHook | None] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for attention in self.attentions:
             if _records_max_logits(attention.core_attention):
                 self._hooks.append(None)
                 continue
-            hook = _MaxLogitHook(_softmax_scale(attention))
+            hook = _MaxLogitHook(softmax_scale(attention))
             self._hooks.append(hook)
             self._handles.append(
                 attention.core_attention.register_forward_hook(hook, with_kwargs=True)
@@ -239,7 +207,8 @@ class QKClip:
         """All-reduces the max logits over ``group``, scales the rows of heads above ``tau``.
 
         Resets the recorded max logits. Layers that recorded nothing since the last clip (on every
-        rank) are left alone.
+        rank) are left alone. The returned count covers every TP partition's heads when
+        ``tp_group`` is given, else this partition's.
         """
         if not self.attentions:
             return QKClipStats(num_clipped_heads=0, max_logit=float("-inf"))
@@ -247,7 +216,7 @@ class QKClip:
         sizes = [a.num_attention_heads_per_partition for a in self.attentions]
         # On the params' device on every rank (NCCL all-reduces device tensors only; a rank that
         # recorded nothing must still contribute a tensor on the same device as the others).
-        device = local_tensor(self.params[0][0]).device if self.params else torch.device("cpu")
+        device = local_tensor(self.params[0][0]).device
         maxima = torch.cat(
             [
                 m.detach().float().to(device)
@@ -259,15 +228,14 @@ class QKClip:
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.group)
         num_clipped = 0
-        maxima = maxima.cpu()  # a few numbers per layer; the loop below decides on the host
-        for index, per_head in enumerate(maxima.split(sizes)):
+        for index, per_head in enumerate(maxima.cpu().split(sizes)):  # decided on the host
             eta = head_clip_factors(per_head, self.threshold)
             clipped = int((eta < 1).sum())
             if clipped:
                 num_clipped += clipped
                 self._scale(index, eta)
         self._reset()
-        return QKClipStats(num_clipped_heads=num_clipped, max_logit=float(maxima.max()))
+        return self._over_tensor_parallel(num_clipped, maxima.max())
 
     def remove_hooks(self) -> None:
         """Detaches the forward hooks (the recorded logits stay until the next ``clip``)."""
@@ -275,13 +243,54 @@ class QKClip:
             handle.remove()
         self._handles = []
 
+    def _params(self, params: Sequence[Sequence[torch.Tensor]] | None) -> list[list[torch.Tensor]]:
+        if params is None:
+            return [[rows.param for rows in of] for of in self._rows]
+        result = [list(tensors) for tensors in params]
+        for index, (tensors, of) in enumerate(zip(result, self._rows, strict=True)):
+            if len(tensors) != len(of):
+                raise ValueError(
+                    f"attention {index}: {len(tensors)} QK-clip params for its "
+                    f"{len(of)} tensors {[rows.name for rows in of]}"
+                )
+        return result
+
+    def _locate_rows(self) -> list[list[int]]:
+        """Per attention and param, this rank's first row; checks each param's rows.
+
+        Rows of each param's TP-local matrix: under tensor parallelism a Megatron-FSDP DTensor has
+        the global shape of the unsplit weight, which the layouts account for.
+        """
+        flat = [tensor for tensors in self.params for tensor in tensors]
+        layouts = iter(gather_row_layouts(flat, self.group) if flat else [])
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        starts: list[list[int]] = []
+        for index, (tensors, of) in enumerate(zip(self.params, self._rows, strict=True)):
+            starts.append([])
+            for tensor, rows in zip(tensors, of, strict=True):
+                layout = next(layouts)
+                if layout.num_rows != rows.num_rows:
+                    raise ValueError(
+                        f"attention {index}: the QK-clip param for {rows.name} has shape "
+                        f"{tuple(tensor.shape)} ({layout.num_rows} rows per TP partition), not "
+                        f"the {rows.num_rows} rows of this TP rank's {rows.name}"
+                    )
+                starts[-1].append(layout.ranges[rank][0])
+        return starts
+
     def _scale(self, index: int, eta: torch.Tensor) -> None:
-        attention = self.attentions[index]
-        scales = qkv_row_scales(
-            eta, attention.num_query_groups_per_partition, attention.hidden_size_per_attention_head
-        )
-        for tensor, start in zip(self.params[index], self._row_starts[index], strict=True):
-            scale_local_rows_(local_tensor(tensor).data, scales, start)
+        triples = zip(self.params[index], self._rows[index], self._row_starts[index], strict=True)
+        for tensor, rows, start in triples:
+            scale_local_rows_(local_tensor(tensor).data, rows.row_scales(eta), start)
+
+    def _over_tensor_parallel(self, num_clipped: int, max_logit: torch.Tensor) -> QKClipStats:
+        """The stats over all TP partitions' heads (sum of counts, max of max logits)."""
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            count = torch.tensor([num_clipped], dtype=torch.int64, device=max_logit.device)
+            dist.all_reduce(count, group=self.tp_group)
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=self.tp_group)
+            num_clipped = int(count.item())
+        return QKClipStats(num_clipped_heads=num_clipped, max_logit=float(max_logit))
 
     def _reset(self) -> None:
         for attention, hook in zip(self.attentions, self._hooks, strict=True):
@@ -289,41 +298,6 @@ class QKClip:
                 attention.core_attention.current_max_attn_logits = None
             else:
                 hook.max_logits = None
-
-
-def _qkv_rows_per_partition(attention: SelfAttention) -> int:
-    """Rows of the tensor-parallel-local ``linear_qkv``: per local group, its q heads, k and v."""
-    groups = attention.num_query_groups_per_partition
-    heads_per_group = attention.num_attention_heads_per_partition // groups
-    return groups * (heads_per_group + 2) * attention.hidden_size_per_attention_head
-
-
-def _default_params(attention: SelfAttention) -> list[torch.Tensor]:
-    linear = attention.linear_qkv
-    params = [linear.weight]
-    bias = getattr(linear, "bias", None)
-    if isinstance(bias, torch.Tensor) and bias.numel() > 0:
-        params.append(bias)
-    return params
-
-
-def _check_supported(attention: SelfAttention, index: int) -> None:
-    if not isinstance(attention, SelfAttention):
-        raise ValueError(f"attention {index} is a {type(attention).__name__}, not SelfAttention")
-    config = attention.config
-    if config.qk_layernorm or config.qk_l2_norm:
-        raise ValueError(
-            f"attention {index}: QK layernorm normalizes q and k, so scaling their weights does "
-            "not change the logits; QK-clip is for layers without it"
-        )
-    if config.attention_output_gate:
-        raise ValueError(f"attention {index}: gated attention's qkv row layout is not supported")
-    if attention.config.num_query_groups < attention.world_size:
-        raise ValueError(
-            f"attention {index}: fewer query groups ({config.num_query_groups}) than tensor "
-            f"parallel ranks ({attention.world_size}) replicate key/value rows across TP ranks; "
-            "not supported"
-        )
 
 
 def _records_max_logits(core_attention: torch.nn.Module) -> bool:
@@ -338,10 +312,3 @@ def _records_max_logits(core_attention: torch.nn.Module) -> bool:
         return False
     config: Any = core_attention.config  # megatron-core's TransformerConfig
     return bool(config.qk_clip or config.log_max_attention_logit)
-
-
-def _softmax_scale(attention: SelfAttention) -> float:
-    """The factor between ``q . k`` and the logit the softmax sees (query-key layer scaling's
-    division by the layer number is undone inside the softmax, so it does not count)."""
-    scale = attention.config.softmax_scale
-    return scale if scale is not None else 1.0 / math.sqrt(attention.hidden_size_per_attention_head)

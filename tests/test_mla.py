@@ -1,6 +1,7 @@
 """Multi-Latent Attention on CPU ranks: the local spec builds (RoPE stand-in, the local core
 attention's ``k_channels`` / ``v_channels`` patch), trains under Megatron-FSDP with
-``build_muon_optimizer`` exactly as the unsharded reference does, and MuonClip refuses it by name.
+``build_muon_optimizer`` exactly as the unsharded reference does (MuonClip on MLA:
+``tests/test_mla_qk_clip.py``, ``tests/test_factory_qk_clip.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import pytest
 
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import RankFailure, run_on_ranks
+from tests.harness import run_on_ranks
 
 NUM_STEPS = 3
 RUNS = [Run("mcore", "optim_grads_params"), Run("mcore", "optim_grads", num_microbatches=2)]
@@ -39,24 +40,6 @@ def test_mla_gpt_under_megatron_fsdp_matches_the_unsharded_reference(q_lora_rank
         for stats in results[0]["stats"]:
             assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), run
         print(f"\nMLA {run.strategy}, q_lora_rank {q_lora_rank}: worst {max(errors.values()):.1e}")
-
-
-def _qk_clip_on_mla(rank: int, world_size: int) -> None:
-    from megatron_muon import MuonFsdpConfig, build_muon_optimizer
-    from megatron_muon.integrations import local_core_attention
-
-    local_core_attention.patch()
-    gpt_parity.init_megatron()
-    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(mla=True), RUNS[0], world_size)
-    build_muon_optimizer(
-        gpt_parity.optimizer_config(), [wrapped], fsdp_config=MuonFsdpConfig(qk_clip_threshold=50.0)
-    )
-
-
-@pytest.mark.multirank
-def test_qk_clip_refuses_a_model_with_latent_attention_by_name():
-    with pytest.raises(RankFailure, match="MuonClip on Multi-Latent Attention is not supported"):
-        run_on_ranks(_qk_clip_on_mla, 1, timeout=300)
 
 
 def test_the_core_attention_patch_leaves_standard_attention_alone():

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from megatron_muon.qk_clip import head_clip_factors, qkv_row_scales
+from megatron_muon.qk_clip import head_clip_factors
+from megatron_muon.qk_clip_rows import qkv_row_scales
 from tests.harness import run_on_ranks
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 8, 6, 4
@@ -115,16 +116,31 @@ def test_row_scales_by_hand_mha_and_gqa() -> None:
     torch.testing.assert_close(gqa, torch.tensor(expected), atol=1e-7, rtol=0)
 
 
+def test_row_scales_split_each_heads_factor_by_alpha() -> None:
+    """--qk-clip-alpha: queries eta^alpha, keys eta^(1 - alpha) (MHA); with GQA the key takes
+    eta_g^(1 - alpha) and each query head the rest of its own eta."""
+    eta, d, alpha = torch.tensor([1.0, 0.25, 0.5, 1.0]), 1, 0.3
+    mha = qkv_row_scales(eta, num_query_groups=4, head_dim=d, alpha=alpha)
+    expected = []
+    for e in eta.tolist():
+        expected += [e**alpha, e ** (1 - alpha), 1.0]
+    torch.testing.assert_close(mha, torch.tensor(expected), atol=1e-7, rtol=0)
+    gqa = qkv_row_scales(eta, num_query_groups=2, head_dim=d, alpha=alpha)
+    key_0, key_1 = 0.25 ** (1 - alpha), 0.5 ** (1 - alpha)
+    expected = [1.0 / key_0, 0.25 / key_0, key_0, 1.0, 0.5 / key_1, 1.0 / key_1, key_1, 1.0]
+    torch.testing.assert_close(gqa, torch.tensor(expected), atol=1e-7, rtol=0)
+
+
 def test_head_clip_factors() -> None:
     factors = head_clip_factors(torch.tensor([50.0, 200.0, -3.0, float("-inf")]), 100.0)
     torch.testing.assert_close(factors, torch.tensor([1.0, 0.5, 1.0, 1.0]))
 
 
 def _run_single(rank: int, world_size: int, num_query_groups: int) -> dict:
-    from megatron_muon.qk_clip import QKClip, find_self_attentions
+    from megatron_muon.qk_clip import QKClip, find_attentions
 
     attention = _build_attention(num_query_groups)
-    assert find_self_attentions([attention]) == [attention]
+    assert find_attentions([attention]) == [attention]
     x, mask = _inputs()
     weight = attention.linear_qkv.weight.detach().clone()
     bias = attention.linear_qkv.bias.detach().clone()
@@ -250,7 +266,7 @@ def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) ->
     from megatron.core.transformer.attention import SelfAttention
     from torch.distributed.device_mesh import init_device_mesh
 
-    from megatron_muon.qk_clip import QKClip, find_self_attentions
+    from megatron_muon.qk_clip import QKClip, find_attentions
 
     attention = _build_attention(num_query_groups=2)
     mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
@@ -265,7 +281,7 @@ def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) ->
     )
     # Built before the first forward, like the optimizer: the modules' params are then the
     # DTensor row shards (the forward swaps in full compute weights).
-    clip = QKClip(find_self_attentions([wrapped]), tau, group=torch.distributed.group.WORLD)
+    clip = QKClip(find_attentions([wrapped]), tau, group=torch.distributed.group.WORLD)
     x, mask = _inputs()
     wrapped(x[:, rank::world_size], mask)
     stats = clip.clip()
@@ -301,7 +317,8 @@ def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
 
     attention = _build_attention(num_query_groups=2, tp=world_size)
     initial = attention.linear_qkv.weight.detach().clone()
-    clip = QKClip([attention], tau)  # no data parallelism: nothing to all-reduce
+    # No data parallelism: nothing to all-reduce but the reported count over TP.
+    clip = QKClip([attention], tau, tp_group=torch.distributed.group.WORLD)
     x, mask = _inputs()
     attention(x, attention_mask=mask)
     stats = clip.clip()
@@ -312,7 +329,8 @@ def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
 @pytest.mark.multirank
 def test_tensor_parallel_heads_clip_their_own_rows() -> None:
     """TP = 2 (GQA, one query group per rank): each rank clips its own heads from its own logits;
-    its partition equals the matching rows of the TP = 1 clip, and the clipped heads add up."""
+    its partition equals the matching rows of the TP = 1 clip, and every rank reports the clipped
+    heads of both partitions."""
     tau = TAU
     single = _unsharded(tau)
     per_rank = run_on_ranks(_run_tensor_parallel, 2, tau)
@@ -322,8 +340,9 @@ def test_tensor_parallel_heads_clip_their_own_rows() -> None:
         torch.testing.assert_close(result["initial"], single["initial"][mine], atol=0, rtol=0)
         for local, full in zip(result["locals"], single["locals"], strict=True):
             torch.testing.assert_close(local, full[mine], atol=1e-6, rtol=1e-6)
-    total = sum(r["stats"].num_clipped_heads for r in per_rank)
-    assert total == single["stats"].num_clipped_heads == 3
+    for result in per_rank:
+        assert result["stats"].num_clipped_heads == single["stats"].num_clipped_heads == 3
+        assert result["stats"].max_logit == pytest.approx(single["stats"].max_logit, rel=1e-6)
 
 
 def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
