@@ -19,9 +19,10 @@ A fresh TP = 2 run does not start where a TP = 1 run starts (its initial weights
 the checkpoint. Measured: grad norms equal to 2e-8 relative, logged losses to every digit.
 
 The same three launches run with multi-latent attention (``MLA_FLAGS``: q-LoRA, the tiny
-DeepSeek-V3 attention; ``mla_runs``). They need MLA to build on CPU ranks (the RoPE device
-stand-ins and the local core attention's ``k_channels``/``v_channels`` patch) and, at TP = 2,
-``integrations/mla_tensor_parallel.py`` (megatron-core drops part of the shared rotary key's
+DeepSeek-V3 attention, with MuonClip on it; ``mla_runs``). They need MLA to build on CPU ranks
+(the RoPE device stand-ins and the local core attention's ``k_channels``/``v_channels`` patch)
+and, at TP = 2, ``integrations/mla_tensor_parallel.py`` (megatron-core drops part of the shared
+rotary key's
 gradient there: grad norm 1.94876 against the 1-rank 1.94941 one iteration after the load; with
 the patch, measured equal to 1.5e-8 .. 4e-7 relative on this MoE model, bitwise on resume).
 
@@ -57,7 +58,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls
-from tests.test_megatron_lm_parallelism import MOE_FLAGS, printed_lines
+from tests.test_megatron_lm_parallelism import MLA_FLAGS, MOE_FLAGS, printed_lines
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
@@ -71,22 +72,12 @@ TP2_EP2_FLAGS = [
 ]
 
 
-# Multi-latent attention with q-LoRA (DeepSeek-V3's attention), in place of the GPT's attention.
-# Without --qk-clip: MuonClip for MLA comes with the mla branch (add it back when merged).
-MLA_FLAGS = [
-    *("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16").split(),
-    *("--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope").split(),
-]
-_NO_QK_CLIP = ("--qk-clip", "--qk-clip-threshold", "0.5")
-
-
 class Runs:
     """The three launches (module docstring); ``model_flags`` after ``MOE_FLAGS``."""
 
     def __init__(self, checkpoint: Path, model_flags: list[str] | None = None) -> None:
         self.checkpoint = checkpoint
-        moe = [f for f in MOE_FLAGS if f not in _NO_QK_CLIP] if model_flags else MOE_FLAGS
-        base = [*moe, *(model_flags or []), *EXACT_FLAGS]
+        base = [*MOE_FLAGS, *(model_flags or []), *EXACT_FLAGS]
         save = ["--save", str(checkpoint), "--save-interval", str(SAVE_AT)]
         load = ["--load", str(checkpoint), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
         self.tp2_ep2 = run_megatron([*base, *TP2_EP2_FLAGS, *save], nproc=4, timeout=300)
@@ -160,6 +151,16 @@ def test_tp2_ep2_grad_norms_and_losses_equal_one_rank_from_the_same_checkpoint(
         f"  TP=2+SP, EP=2 grad norms {runs.tp2_ep2.grad_norms[SAVE_AT:]}"
     )
     assert_resume_continues(runs.one_rank, runs.tp2_ep2, exact=False)
+    # QK-clip's count covers the heads of both TP partitions: one rank, holding all heads, clips
+    # as many at each step after the resume as TP = 2 does.
+    tp2, one = _clip_counts(runs.tp2_ep2), _clip_counts(runs.one_rank)
+    print(f"  QK-clip heads clipped: TP=2+SP, EP=2 {tp2}; 1 rank after the load {one}")
+    assert one and one == tp2[len(tp2) - len(one) :], (one, tp2)
+
+
+def _clip_counts(run: MegatronRun) -> list[int]:
+    """N of each ``QK-clip: N heads clipped (...)`` line rank 0 printed."""
+    return [int(line.split()[1]) for line in printed_lines(run, 0, "QK-clip: ")]
 
 
 def test_resume_at_tp2_ep2_equals_the_uninterrupted_run(either_runs: Runs) -> None:
@@ -173,7 +174,7 @@ def test_resume_at_tp2_ep2_equals_the_uninterrupted_run(either_runs: Runs) -> No
     # QK-clip after the resume clips what the uninterrupted run clipped.
     clipped = printed_lines(runs.tp2_ep2, 0, "QK-clip: ")
     resumed = printed_lines(runs.resumed, 0, "QK-clip: ")
-    assert resumed == clipped[len(clipped) - len(resumed) :], (resumed, clipped)
+    assert resumed and resumed == clipped[len(clipped) - len(resumed) :], (resumed, clipped)
 
 
 def test_a_checkpoint_of_another_vocab_padding_is_refused_naming_the_flag(runs: Runs) -> None:

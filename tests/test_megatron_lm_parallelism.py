@@ -65,6 +65,16 @@ MOE_FLAGS = [
 ]
 
 
+# Multi-latent attention with q-LoRA (DeepSeek-V3's attention) in place of the GPT's attention,
+# after MOE_FLAGS. Its max logits are smaller (0.03 at iteration 1 on one rank, up to 0.10 later
+# unclipped): at 0.04 iteration 1 clips nothing, later ones some or all of the 8 heads.
+MLA_FLAGS = [
+    *("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16").split(),
+    *("--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope").split(),
+    *("--qk-clip-threshold", "0.04"),
+]
+
+
 def printed_lines(run: MegatronRun, rank: int, prefix: str) -> list[str]:
     """The lines of ``rank``'s output that start with ``prefix`` (what the loop printed)."""
     return [line for line in run.rank_outputs[rank].splitlines() if line.startswith(prefix)]
@@ -158,13 +168,29 @@ def ep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ep2_ckpt")
 
 
+def _ep_runs(checkpoint: Path, model_flags: list[str]) -> tuple[MegatronRun, MegatronRun]:
+    """EP=2 on 4 ranks (saving at iteration 2), and 1 rank without EP resuming from that save."""
+    save = ["--save", str(checkpoint), "--save-interval", str(EP_SAVE_AT)]
+    flags = [*MOE_FLAGS, *model_flags]
+    ep2 = run_megatron([*flags, "--expert-model-parallel-size", "2", *save], nproc=4)
+    one_rank = run_megatron([*flags, *_load_ep_checkpoint(checkpoint)], nproc=1)
+    return ep2, one_rank
+
+
 @pytest.fixture(scope="module")
 def ep_runs(ep_checkpoint: Path) -> tuple[MegatronRun, MegatronRun]:
-    """EP=2 on 4 ranks (saving at iteration 2), and 1 rank without EP resuming from that save."""
-    save = ["--save", str(ep_checkpoint), "--save-interval", str(EP_SAVE_AT)]
-    ep2 = run_megatron([*MOE_FLAGS, "--expert-model-parallel-size", "2", *save], nproc=4)
-    one_rank = run_megatron([*MOE_FLAGS, *_load_ep_checkpoint(ep_checkpoint)], nproc=1)
-    return ep2, one_rank
+    return _ep_runs(ep_checkpoint, [])
+
+
+@pytest.fixture(scope="module")
+def mla_ep_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronRun, MegatronRun]:
+    """The same two launches with multi-latent attention and MuonClip on it (``MLA_FLAGS``)."""
+    return _ep_runs(tmp_path_factory.mktemp("mla_ep2_ckpt"), MLA_FLAGS)
+
+
+@pytest.fixture(params=["ep_runs", "mla_ep_runs"], ids=["gqa", "mla"])
+def either_ep_runs(request: pytest.FixtureRequest) -> tuple[MegatronRun, MegatronRun]:
+    return request.getfixturevalue(request.param)
 
 
 def _load_ep_checkpoint(checkpoint: Path) -> list[str]:
@@ -172,9 +198,9 @@ def _load_ep_checkpoint(checkpoint: Path) -> list[str]:
 
 
 def test_expert_parallel_muon_on_4_ranks_equals_one_rank_from_the_same_state(
-    ep_runs: tuple[MegatronRun, MegatronRun],
+    either_ep_runs: tuple[MegatronRun, MegatronRun],
 ) -> None:
-    ep2, one_rank = ep_runs
+    ep2, one_rank = either_ep_runs
     print(f"\nEP=2 x 4 ranks lm loss: {ep2.series('lm loss')}")
     print(f"1 rank from iter {EP_SAVE_AT}: {one_rank.series('lm loss')}")
     assert sorted(ep2.iterations) == list(range(1, EP_ITERS + 1))
@@ -225,10 +251,11 @@ def test_an_ep2_checkpoint_of_4_ranks_resumes_at_ep2_on_2_ranks(
 
 
 def test_qk_clip_lines_are_printed_on_rank_0_when_heads_are_clipped(
-    ep_runs: tuple[MegatronRun, MegatronRun],
+    either_ep_runs: tuple[MegatronRun, MegatronRun],
 ) -> None:
-    ep2, one_rank = ep_runs
+    ep2, one_rank = either_ep_runs
     clipped = printed_lines(ep2, 0, "QK-clip: ")
+    print("\n" + "\n".join(clipped))
     assert clipped and all("heads clipped" in line for line in clipped), clipped
     # After the resume the 1-rank run clips the same heads at the same steps as the EP run.
     resumed = printed_lines(one_rank, 0, "QK-clip: ")
