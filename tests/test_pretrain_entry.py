@@ -200,6 +200,35 @@ def test_a_muon_checkpoint_loaded_into_an_adam_run_is_refused_naming_both(
     ) in text
 
 
+# --------------------------------------------------------------------------------------------------
+# the DeepSeek-V3-shaped preset: MLA with q-LoRA, MoE with a shared expert, EP=2, MuonClip
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_the_tiny_deepseek_v3_preset_trains_with_muonclip_on_its_mla_heads() -> None:
+    # The preset as shipped, shortened, with tau among its max logits (0.013-0.021 over these
+    # iterations at tau 0.01: 9 to 12 of its 12 heads clipped) so that MuonClip acts.
+    config = ["--config", str(REPO / "configs" / "tiny-deepseek-v3.yaml")]
+    run = run_megatron(
+        [*config, *SHORT_RUN, "--train-iters", "6", "--log-interval", "1"]
+        + ["--qk-clip-threshold", "0.015"],
+        nproc=2,
+        entry=ENTRY,
+        timeout=300,
+    )
+    assert sorted(run.iterations) == list(range(1, 7))
+    losses = run.series("lm loss")
+    assert losses[-1] < 0.85 * losses[0], losses
+    output = run.rank_outputs[0]
+    assert "Muon[expert]: 8 params" in output and "over expt_dp (1 rank)" in output
+    assert "megatron-muon QK-clip: threshold 0.015 on 3 attention layers" in output
+    clipped = [line for line in output.splitlines() if line.startswith("QK-clip: ")]
+    counts = [int(line.split()[1]) for line in clipped]
+    print(f"\ntiny-deepseek-v3: lm loss {losses}; QK-clip heads clipped (of 12) {counts}")
+    assert counts and all(0 < count <= 12 for count in counts), clipped
+
+
 def test_config_flags_turn_yaml_sections_into_megatron_flags(tmp_path: Path) -> None:
     from megatron_muon.pretrain import config_flags
 
