@@ -56,6 +56,23 @@ def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():
     on = parser.parse_args(["--qk-clip", "--qk-clip-threshold=30"])
     assert MuonFsdpConfig.from_args(on).qk_clip_threshold == 30.0
     assert MuonFsdpConfig.from_args(parser.parse_args(["--qk-clip"])).qk_clip_threshold == 100.0
+    split = parser.parse_args(["--qk-clip", "--qk-clip-alpha=0.3"])
+    assert MuonFsdpConfig.from_args(split).qk_clip_alpha == 0.3
+
+
+def test_qk_clip_alpha_is_megatrons_flag_checked_by_megatrons_rule_when_qk_clip_is_on():
+    from megatron_muon.arguments import add_muon_args, check_muon_args
+    from megatron_muon.config import MuonFsdpConfig
+
+    ours = add_muon_args(argparse.ArgumentParser())
+    assert ours.parse_args([]).qk_clip_alpha == 0.5  # Megatron-LM's default
+    config = MuonFsdpConfig.from_args(
+        ours.parse_args(["--qk-clip-threshold=5", "--qk-clip-alpha=0.25"])
+    )
+    assert (config.qk_clip_threshold, config.qk_clip_alpha) == (5.0, 0.25)
+    with pytest.raises(ValueError, match=r"--qk-clip-alpha 1.0: qk_clip_alpha must be in \(0, 1\)"):
+        check_muon_args(ours.parse_args(["--qk-clip-threshold=5", "--qk-clip-alpha=1.0"]))
+    check_muon_args(ours.parse_args(["--qk-clip-alpha=1.0"]))  # QK-clip off: not read
 
 
 def test_megatron_lm_integration_takes_over_qk_clip_for_muon_with_megatron_fsdp():
