@@ -50,8 +50,10 @@ bench-peers: venv bench-peers-deps
 
 # The peers `make bench` compares with (docs/benchmarks.md, "Peers"): bench extras, never install
 # requirements of megatron-muon. --no-deps: each would otherwise pull its own torch; what they import
-# beyond torch is listed here (spmd_types for torchtitan's flex_shard).
-PEERS := muon-fsdp2==0.3.0 muonium==0.2.0 torchtitan==0.3.0 spmd-types==0.3.1
+# beyond torch is listed here (spmd_types, tyro and its docstring_parser for torchtitan's
+# flex_shard).
+PEERS := muon-fsdp2==0.3.0 muonium==0.2.0 torchtitan==0.3.0 spmd-types==0.3.1 tyro==1.0.17 \
+	docstring-parser==0.18.0
 bench-peers-deps: venv
 	$(PY) -m pip install -q --no-deps $(PEERS)
 

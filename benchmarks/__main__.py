@@ -343,7 +343,13 @@ def main(argv: list[str] | None = None) -> int:
             config.repeats,
         )
         results["peers"] = timed_section(
-            "peers", peers_section, config.dense, args.device, dp_sizes
+            "peers",
+            peers_section,
+            config.dense,
+            args.device,
+            dp_sizes,
+            config.warmup,
+            config.repeats,
         )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
     shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES

@@ -56,8 +56,10 @@ REQUIRED_FIGURES = (
     "ns_methods",
     "ns_batching",
 )
-# The figures of ``python -m benchmarks --peers`` (the ideal-ratio and overlap sections).
+# The figures of ``python -m benchmarks --peers`` (the peers, ideal-ratio and overlap sections).
 PEERS_FIGURES = (
+    "peers.rows",
+    "peers.step_times.*.ours.seconds",
     "ideal_ratio.rows",
     "ideal_ratio.largest_tokens_measured_over_ideal",
     "overlap.by_dp.*.overlapped_over_sequential_s",

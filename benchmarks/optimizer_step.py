@@ -26,6 +26,7 @@ __all__ = [
     "peak_step_memory",
     "sharded_params",
     "time_alternating",
+    "time_samples",
     "stock_comparison",
     "size_scaling",
 ]
@@ -67,8 +68,11 @@ def sharded_params(shapes: TransformerShapes, world_size: int, device: str) -> l
     return params
 
 
-def time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
-    """Median step seconds of each optimizer, stepping them in turn (order rotated each round)."""
+def time_samples(
+    optimizers: dict, device: str, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Step seconds of each optimizer, ``repeats`` each, stepping them in turn (order rotated each
+    round) after ``warmup`` untimed rounds."""
     names = list(optimizers)
     for _ in range(warmup):
         for name in names:
@@ -78,7 +82,13 @@ def time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             seconds[name].append(timed(optimizers[name].step, device))
-    return {name: median(values) for name, values in seconds.items()}
+    return seconds
+
+
+def time_alternating(optimizers: dict, device: str, warmup: int, repeats: int) -> dict:
+    """Median step seconds of each optimizer, stepping them in turn (``time_samples``)."""
+    samples = time_samples(optimizers, device, warmup, repeats)
+    return {name: median(values) for name, values in samples.items()}
 
 
 def peak_step_memory(optimizers: dict, device: str) -> dict:

@@ -1,34 +1,42 @@
-"""Peers' exactness: each peer Muon's parameters after 3 steps against one single-process fp32
-reference (megatron-core ``TensorParallelMuon`` on the full matrices, ``"highest"`` precision).
+"""Peers: each peer Muon's exactness and optimizer-step time next to ours (docs/benchmarks.md).
 
-Built so far: ``muon-fsdp2`` 0.3.0 on torch FSDP2 (``fully_shard``), set to our settings where it
-can be (momentum, no Nesterov, weight decay, 5 quintic NS steps). Its scale cannot be
-megatron-core's "spectral" (our default), so both sides use ``max(1, rows/cols) ** 0.5``
-(``rms_scale=False``; megatron-core's "shape_scaling"). Its NS always runs in bf16 (not
-settable), so it is also compared with the reference in bf16 (``"medium"``) to tell that apart from
-other differences. ``muonium`` and torchtitan's ``DistMuon`` are reported with the reason they do
-not run (``peer_import_errors``). Not built yet: the timing rows and megatron-core's
-``LayerWiseDistributedOptimizer`` (docs/benchmarks.md, "Peers").
+Exactness: the peer's parameters after 3 steps on FSDP2 (``fully_shard``) Shard(0) params against
+one single-process fp32 reference (megatron-core ``TensorParallelMuon`` on the full matrices,
+``"highest"``), and a bf16 (``"medium"``) one, each peer set to our settings where it can be and
+both sides changed where it cannot (``PEER_SETTINGS``). Step time: ours (``ShardedMuon`` on
+Megatron-FSDP row shards) and every peer that ran, on the same shapes, stepped in turn (median,
+min, max) with one step's transient memory. A peer that does not install or refuses this machine
+is a row with its reason, measured by trying: muonium's NS is a Triton kernel that asserts CUDA
+tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per process. Not built
+yet: megatron-core's ``LayerWiseDistributedOptimizer``, and bytes/NS FLOPs per rank for peers.
 """
 
 from __future__ import annotations
 
 import importlib
+from statistics import median
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import MUON_KWARGS
+from benchmarks.optimizer_step import MUON_KWARGS, peak_step_memory, sharded_params, time_samples
 
-__all__ = ["muon_fsdp2_exactness", "peer_import_errors"]
+__all__ = ["peer_exactness", "peer_import_errors", "peer_step_times", "peers_section"]
 
 STEPS = 3
-# Our settings changed where muon-fsdp2 cannot follow: its scales are max(1, rows/cols) ** 0.5
-# (rms_scale=False, megatron-core's "shape_scaling") or 0.2 * max(rows, cols) ** 0.5
-# (rms_scale=True); megatron-core's "spectral" (our default) is max(rows, cols) ** 0.5.
-PEER_SETTINGS = {"scale_mode": "shape_scaling"}
+# Our settings changed, on both sides, where a peer cannot follow. Scale: muon-fsdp2's is
+# max(1, rows/cols) ** 0.5 (rms_scale=False, megatron-core's "shape_scaling") or
+# 0.2 * max(rows, cols) ** 0.5 (rms_scale=True), muonium's the former; megatron-core's "spectral"
+# (our default) is max(rows, cols) ** 0.5. Weight decay: muonium scales it by that shape factor
+# (p -= lr * ratio * (u + wd * p)), megatron-core does not, so it is off for muonium.
+PEER_SETTINGS: dict[str, dict] = {
+    "muon-fsdp2": {"scale_mode": "shape_scaling"},
+    "muonium": {"scale_mode": "shape_scaling", "weight_decay": 0.0},
+    "torchtitan DistMuon": {},
+}
 PEER_MODULES = {
+    "muon-fsdp2": "muon_fsdp2",
     "muonium": "muonium",
     "torchtitan DistMuon": "torchtitan.distributed.flex_shard.dist_muon",
 }
@@ -42,11 +50,11 @@ def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor], start: li
     )
 
 
-def _reference(fulls, grads, precision: str) -> list[torch.Tensor]:
+def _reference(fulls, grads, precision: str, peer_settings: dict) -> list[torch.Tensor]:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     params = [torch.nn.Parameter(f.clone()) for f in fulls]
-    settings = {**MUON_KWARGS, **PEER_SETTINGS, "fp32_matmul_prec": precision}
+    settings = {**MUON_KWARGS, **peer_settings, "fp32_matmul_prec": precision}
     optimizer = TensorParallelMuon(params, **settings)
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
@@ -55,58 +63,167 @@ def _reference(fulls, grads, precision: str) -> list[torch.Tensor]:
     return [p.detach() for p in params]
 
 
-def muon_fsdp2_exactness(
-    rank: int, world_size: int, device: str, shapes: TransformerShapes, steps: int = STEPS
-):
-    """Rank function: ``muon_fsdp2.Muon`` on FSDP2 Shard(0) params vs the fp32 and bf16 references.
-
-    Every rank makes the same full matrices and grads (seeded); rank 0 returns the relative errors
-    (the others ``{}``).
-    """
-    import muon_fsdp2
+def _fsdp2_params(fulls: list[torch.Tensor], device: str, world_size: int):
+    """``fulls`` as FSDP2 (``fully_shard``) Shard(0) DTensor params (mesh axis ``dp_shard``), and
+    their mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    module = torch.nn.Module()
+    module.weights = torch.nn.ParameterList([torch.nn.Parameter(f.clone()) for f in fulls])
+    mesh = init_device_mesh(device, (world_size,), mesh_dim_names=("dp_shard",))
+    fully_shard(module, mesh=mesh)
+    return list(module.weights), mesh
+
+
+def _muon_fsdp2(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    import muon_fsdp2
+
+    kwargs = {**MUON_KWARGS, **PEER_SETTINGS["muon-fsdp2"]}
+    group = dict(
+        params=params,
+        lr=kwargs["lr"],
+        momentum=kwargs["momentum"],
+        weight_decay=kwargs["weight_decay"],
+        nesterov=kwargs["nesterov"],
+        ns_steps=kwargs["num_ns_steps"],
+        rms_scale=False,
+        use_muon=True,
+    )
+    return muon_fsdp2.Muon([group])
+
+
+def _muonium(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    import muonium
+
+    kwargs = {**MUON_KWARGS, **PEER_SETTINGS["muonium"]}
+    return muonium.Muon(
+        params,
+        lr=kwargs["lr"],
+        wd=kwargs["weight_decay"],
+        use_cautious_wd=False,
+        momentum=kwargs["momentum"],
+        nesterov=kwargs["nesterov"],
+        ns_steps=kwargs["num_ns_steps"],
+        orthogonalization_strategy="newton_schulz",
+    )
+
+
+def _dist_muon(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """torchtitan's ``DistMuon``: each whole matrix ``Owned`` by one rank of ``dp_shard`` (its
+    docstring's owner layout), one bucket."""
+    from torchtitan.distributed.flex_shard.dist_muon import build_dist_muon
+    from torchtitan.distributed.flex_shard.optimizer_reshard import (
+        BucketConfig,
+        ComputeLayout,
+        Owned,
+    )
+
+    kwargs = {**MUON_KWARGS, **PEER_SETTINGS["torchtitan DistMuon"]}
+    names = [f"weights.{index}" for index in range(len(params))]
+    owned = ComputeLayout(shardings_by_mesh_axis={"dp_shard": Owned()})
+    return build_dist_muon(
+        [{"params": params, "param_names": names}],
+        compute_sharding_by_fqn=dict.fromkeys(names, owned),
+        bucket_configs=[BucketConfig(patterns=("*",))],
+        lr=kwargs["lr"],
+        weight_decay=kwargs["weight_decay"],
+        momentum=kwargs["momentum"],
+        nesterov=kwargs["nesterov"],
+        ns_steps=kwargs["num_ns_steps"],
+    )
+
+
+# Each peer on FSDP2 params, set to our settings where it can be (PEER_SETTINGS).
+PEER_BUILDERS = {"muon-fsdp2": _muon_fsdp2, "muonium": _muonium, "torchtitan DistMuon": _dist_muon}
+
+
+def peer_exactness(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: TransformerShapes,
+    peer: str,
+    steps: int = STEPS,
+) -> dict:
+    """Rank function: ``peer`` on FSDP2 Shard(0) params vs the fp32 and bf16 references.
+
+    Every rank makes the same full matrices and grads (seeded); rank 0 returns the relative errors
+    (the others ``{}``), or ``{"not_run": reason}`` where the peer refuses to build or step here.
+    """
     from torch.distributed.tensor import Shard, distribute_tensor
 
     generator = torch.Generator().manual_seed(0)
     fulls = [torch.randn(shape, generator=generator) for shape in shapes.shapes()]
     grads = [[torch.randn(f.shape, generator=generator) for f in fulls] for _ in range(steps)]
-    module = torch.nn.Module()
-    module.weights = torch.nn.ParameterList([torch.nn.Parameter(f.clone()) for f in fulls])
-    mesh = init_device_mesh(device, (world_size,))
-    fully_shard(module, mesh=mesh)
-    params = list(module.weights)
-    kwargs = MUON_KWARGS
-    optimizer = muon_fsdp2.Muon(
-        [
-            dict(
-                params=params,
-                lr=kwargs["lr"],
-                momentum=kwargs["momentum"],
-                weight_decay=kwargs["weight_decay"],
-                nesterov=kwargs["nesterov"],
-                ns_steps=kwargs["num_ns_steps"],
-                rms_scale=False,
-                use_muon=True,
-            )
-        ]
-    )
-    for step_grads in grads:
-        for p, g in zip(params, step_grads, strict=True):
-            p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
-        optimizer.step()
+    params, mesh = _fsdp2_params(fulls, device, world_size)
+    try:
+        optimizer = PEER_BUILDERS[peer](params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            optimizer.step()
+    except Exception as error:  # the reason is the figure (every rank fails alike)
+        return {"not_run": _reason(error)} if rank == 0 else {}
     got = [p.detach().full_tensor() for p in params]
     dist.barrier()
     if rank != 0:
         return {}  # the references are computed once, on rank 0
-    fp32 = _reference(fulls, grads, "highest")
+    settings = PEER_SETTINGS[peer]
+    fp32 = _reference(fulls, grads, "highest", settings)
     return {
         "error_vs_fp32": _relative_error(got, fp32, fulls),
-        "error_vs_bf16": _relative_error(got, _reference(fulls, grads, "medium"), fulls),
+        "error_vs_bf16": _relative_error(got, _reference(fulls, grads, "medium", settings), fulls),
         "update_max_peer_over_reference": max(
             float((g - f).abs().max() / (w - f).abs().max())
             for g, w, f in zip(got, fp32, fulls, strict=True)
         ),
+    }
+
+
+def _reason(error: Exception) -> str:
+    """The exception's type and first line, plus the failing assertion where there is one (a
+    torch.compile'd peer wraps it in pages of advice)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    asserts = [line for line in lines[1:] if line.startswith("assert ")]
+    return text + (f" ... {asserts[0]}" if asserts else "")
+
+
+def peer_step_times(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: TransformerShapes,
+    peers: list[str],
+    warmup: int,
+    repeats: int,
+) -> dict:
+    """Rank function: optimizer-step seconds (median, min, max; stepped in turn) and one step's
+    transient memory of ours (``ShardedMuon`` on Megatron-FSDP row shards) and each of ``peers``
+    (on FSDP2 Shard(0) params), on the same shapes and random grads. Rank 0's figures."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from megatron_muon import ShardedMuon
+
+    optimizers = {"ours": ShardedMuon(sharded_params(shapes, world_size, device), **MUON_KWARGS)}
+    generator = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(shape, generator=generator) for shape in shapes.shapes()]
+    for peer in peers:
+        params, mesh = _fsdp2_params(fulls, device, world_size)
+        for p in params:
+            p.grad = distribute_tensor(torch.randn_like(p.full_tensor()), mesh, [Shard(0)])
+        optimizers[peer] = PEER_BUILDERS[peer](params)
+    samples = time_samples(optimizers, device, warmup, repeats)
+    memory = peak_step_memory(optimizers, device)
+    return {
+        name: {
+            "seconds": median(values),
+            "min_s": min(values),
+            "max_s": max(values),
+            "transient_bytes": memory[name],
+        }
+        for name, values in samples.items()
     }
 
 
@@ -122,24 +239,33 @@ def peer_import_errors() -> dict[str, str | None]:
     return errors
 
 
-def peers_section(shapes: TransformerShapes, device: str, dp_sizes: list[int]) -> dict:
-    """Exactness of each peer after 3 steps at each DP >= 2 (rows with a reason where one cannot
-    run: not installed, or failing on this machine)."""
+def peers_section(
+    shapes: TransformerShapes, device: str, dp_sizes: list[int], warmup: int, repeats: int
+) -> dict:
+    """Each peer's exactness after 3 steps and its step time next to ours at each DP >= 2 (rows
+    with a reason where a peer cannot run: not installed, or refusing this machine)."""
     from benchmarks.launcher import run_ranks
 
-    rows: dict[str, dict] = {"muon-fsdp2": {}}
-    try:
-        importlib.import_module("muon_fsdp2")
-    except ImportError as error:
-        rows["muon-fsdp2"] = {"not_run": f"not installed (make bench-peers-deps): {error}"}
-    else:
-        for dp in [dp for dp in dp_sizes if dp >= 2]:
-            rows["muon-fsdp2"][str(dp)] = run_ranks(muon_fsdp2_exactness, dp, device, shapes)[0]
+    rows: dict[str, dict] = {}
     for name, error in peer_import_errors().items():
-        reason = (
-            error
-            or "imports; its run is not built yet (a first attempt found it needs Triton/CUDA)"
-        )
-        rows[name] = {"not_run": reason}
+        if error is not None:
+            rows[name] = {"not_run": f"not installed (make bench-peers-deps): {error}"}
+    runnable = [name for name in PEER_BUILDERS if name not in rows]
+    timings: dict[str, dict] = {}
+    for dp in [dp for dp in dp_sizes if dp >= 2]:
+        for name in runnable:
+            result = run_ranks(peer_exactness, dp, device, shapes, name)[0]
+            rows.setdefault(name, {})[str(dp)] = result
+        timed = [name for name in runnable if "not_run" not in rows[name][str(dp)]]
+        times = run_ranks(peer_step_times, dp, device, shapes, timed, warmup, repeats)[0]
+        for name in timed:
+            times[name]["ours_over_peer"] = times["ours"]["seconds"] / times[name]["seconds"]
+        timings[str(dp)] = times
     rows["megatron-core LayerWiseDistributedOptimizer"] = {"not_run": "not built yet"}
-    return {"model": shapes.describe(), "steps": STEPS, "settings": PEER_SETTINGS, "rows": rows}
+    return {
+        "model": shapes.describe(),
+        "steps": STEPS,
+        "settings": PEER_SETTINGS,
+        "rows": rows,
+        "step_times": timings,
+    }
