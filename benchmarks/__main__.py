@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "peers",
             peers_section,
             config.dense,
+            config.gpt,
             args.device,
             dp_sizes,
             config.warmup,

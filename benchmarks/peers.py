@@ -7,8 +7,9 @@ both sides changed where it cannot (``PEER_SETTINGS``). Step time: ours (``Shard
 Megatron-FSDP row shards) and every peer that ran, on the same shapes, stepped in turn (median,
 min, max) with one step's transient memory. A peer that does not install or refuses this machine
 is a row with its reason, measured by trying: muonium's NS is a Triton kernel that asserts CUDA
-tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per process. Not built
-yet: megatron-core's ``LayerWiseDistributedOptimizer``, and bytes/NS FLOPs per rank for peers.
+tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per process.
+megatron-core's ``LayerWiseDistributedOptimizer`` runs on Megatron's DDP with a whole GPTModel
+(``benchmarks.layerwise_peer``). Not built yet: bytes and NS FLOPs per rank for the peers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, peak_step_memory, sharded_params, time_samples
+from benchmarks.training_step import GPTSize
 
 __all__ = ["peer_exactness", "peer_import_errors", "peer_step_times", "peers_section"]
 
@@ -240,11 +242,19 @@ def peer_import_errors() -> dict[str, str | None]:
 
 
 def peers_section(
-    shapes: TransformerShapes, device: str, dp_sizes: list[int], warmup: int, repeats: int
+    shapes: TransformerShapes,
+    gpt: GPTSize,
+    device: str,
+    dp_sizes: list[int],
+    warmup: int,
+    repeats: int,
 ) -> dict:
     """Each peer's exactness after 3 steps and its step time next to ours at each DP >= 2 (rows
-    with a reason where a peer cannot run: not installed, or refusing this machine)."""
+    with a reason where a peer cannot run: not installed, or refusing this machine): the FSDP2
+    peers on ``shapes``' matrices, megatron-core's LayerWise on the ``gpt`` model
+    (``benchmarks.layerwise_peer``)."""
     from benchmarks.launcher import run_ranks
+    from benchmarks.layerwise_peer import layerwise_section
 
     rows: dict[str, dict] = {}
     for name, error in peer_import_errors().items():
@@ -261,7 +271,8 @@ def peers_section(
         for name in timed:
             times[name]["ours_over_peer"] = times["ours"]["seconds"] / times[name]["seconds"]
         timings[str(dp)] = times
-    rows["megatron-core LayerWiseDistributedOptimizer"] = {"not_run": "not built yet"}
+    layer_wise = layerwise_section(gpt, device, dp_sizes, warmup, repeats)
+    rows["megatron-core LayerWiseDistributedOptimizer"] = layer_wise
     return {
         "model": shapes.describe(),
         "steps": STEPS,

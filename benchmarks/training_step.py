@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
 
-__all__ = ["GPTSize", "muon_vs_adamw_step", "training_step_memory"]
+__all__ = ["GPTSize", "muon_vs_adamw_step", "optimizer_config", "training_step_memory"]
 
 KINDS = ("muon", "adamw")
 
@@ -46,8 +46,9 @@ class GPTSize:
         return self.seq_length * self.micro_batch
 
 
-def _optimizer_config(kind: str, device: str):
-    """megatron-core ``OptimizerConfig``: Megatron's defaults (Muon's included), clip 1.0."""
+def optimizer_config(kind: str, bf16: bool, **overrides):
+    """megatron-core ``OptimizerConfig``: Megatron's defaults (Muon's included), clip 1.0, for bf16
+    or fp32 params; ``overrides`` are further ``OptimizerConfig`` fields."""
     from megatron.core.optimizer import OptimizerConfig
 
     common = dict(
@@ -58,15 +59,17 @@ def _optimizer_config(kind: str, device: str):
         adam_beta2=0.999,
         adam_eps=1e-8,
         clip_grad=1.0,
-        bf16=device == "cuda",
+        bf16=bf16,
     )
     if kind == "muon":
         from benchmarks.optimizer_step import MUON_KWARGS
 
         prec = MUON_KWARGS["fp32_matmul_prec"]
-        return OptimizerConfig(optimizer="muon", muon_fp32_matmul_prec=prec, **common)
+        muon = {"optimizer": "muon", "muon_fp32_matmul_prec": prec}
+        return OptimizerConfig(**(common | muon | overrides))
     if kind == "adamw":
-        return OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common)
+        adam = {"optimizer": "adam", "use_distributed_optimizer": True}
+        return OptimizerConfig(**(common | adam | overrides))
     raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
 
 
@@ -131,14 +134,14 @@ class _Trainer:
             config, ddp_config, model, device=_torch_device(device)
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
-        optimizer_config = _optimizer_config(kind, device)
+        settings = optimizer_config(kind, bf16=device == "cuda")
         if kind == "muon":
             # The loop below calls finish_grad_sync itself, as Megatron-LM's loop does.
             self.optimizer = build_muon_optimizer(
-                optimizer_config, [self.wrapped], grads_already_synced=True
+                settings, [self.wrapped], grads_already_synced=True
             )
         else:
-            self.optimizer = get_megatron_optimizer(optimizer_config, [self.wrapped])
+            self.optimizer = get_megatron_optimizer(settings, [self.wrapped])
         generator = torch.Generator().manual_seed(100 + dist.get_rank())
         shape = (size.micro_batch, size.seq_length)
         self.tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)

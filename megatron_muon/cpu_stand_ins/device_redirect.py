@@ -1,23 +1,26 @@
-"""CPU stand-ins for megatron-core's optimizer, grad clipping, utils, schedules and MoE layers.
+"""CPU stand-ins for megatron-core's optimizers, grad clipping, utils, schedules, DDP buffers and
+MoE layers.
 
 These modules allocate on ``device="cuda"`` or move tensors to ``torch.cuda.current_device()``
 themselves: the stand-in replaces the module-level name ``torch`` inside each listed module (and
 nowhere else) by a proxy whose tensor factories allocate on CPU when asked for a CUDA device
-(package docstring). Two functions are wrapped as well: the MoE all-to-all's split sizes and
-clip_grads' type assert.
+(package docstring). Functions are wrapped as well: the MoE all-to-all's split sizes,
+clip_grads' type assert and the Megatron-DDP optimizers' param type checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from megatron_muon.cpu_stand_ins._replace import (
+    MARK,
     import_optional,
     replace_once,
     set_stand_in,
@@ -66,6 +69,12 @@ _CURRENT_DEVICE_CPU_MODULES = [
     # Sequence parallelism's backward: the reduce-scatter's output is torch.empty(...,
     # device=current_device()) (layers.py:647).
     "megatron.core.tensor_parallel.layers",
+    # megatron-core's DistributedDataParallel (not Megatron-FSDP): its param and grad buffers are
+    # allocated on current_device() (param_and_grad_buffer.py:1162-1186).
+    "megatron.core.distributed.param_and_grad_buffer",
+    # LayerWiseDistributedOptimizer (Megatron's own distributed Muon, a bench peer): its
+    # found-inf flag is a tensor on "cuda".
+    "megatron.core.optimizer.layer_wise_optimizer",
 ]
 
 _FACTORIES = (
@@ -98,10 +107,12 @@ def add_redirect_modules(names: Sequence[str]) -> None:
 
 
 def patch() -> None:
-    """The MoE split sizes on the host, the module redirect, clip_grads' type check (in order)."""
+    """The MoE split sizes on the host, the module redirect, clip_grads' and the Megatron-DDP
+    optimizers' type checks (in order)."""
     _patch_moe_split_sizes_to_host()
     redirect_module_devices()
     _patch_clip_grads_type_check()
+    _patch_optimizer_type_checks()
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -211,6 +222,28 @@ def _patch_moe_split_sizes_to_host() -> None:
     replace_once(dispatcher, "maybe_move_tensor_to_cpu", make)
 
 
+_CPU_FLOAT_TYPES = ("torch.FloatTensor", "torch.BFloat16Tensor", "torch.HalfTensor")
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """Within: ``Tensor.type()`` names CPU float tensors by their CUDA types (``torch.FloatTensor``
+    -> ``torch.cuda.FloatTensor``, bf16 and fp16 alike), for checks that accept CUDA types only."""
+    real_type = torch.Tensor.type
+
+    def type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = real_type(self, *args, **kwargs)
+        if not args and not kwargs and result in _CPU_FLOAT_TYPES:
+            return result.replace("torch.", "torch.cuda.")
+        return result
+
+    set_stand_in(torch.Tensor, "type", type_as_cuda)
+    try:
+        yield
+    finally:
+        set_stand_in(torch.Tensor, "type", real_type)
+
+
 def _patch_clip_grads_type_check() -> None:
     """``clip_grad_by_total_norm_fp32`` asserts grads are ``torch.cuda.FloatTensor``.
 
@@ -221,22 +254,12 @@ def _patch_clip_grads_type_check() -> None:
         importlib.import_module("megatron.core.optimizer.optimizer")
     except ImportError:
         return
-    real_type = torch.Tensor.type
-
-    def type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        result = real_type(self, *args, **kwargs)
-        if not args and not kwargs and result == "torch.FloatTensor":
-            return "torch.cuda.FloatTensor"
-        return result
 
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def clip_on_cpu(*args: Any, **kwargs: Any) -> Any:
-            set_stand_in(torch.Tensor, "type", type_as_cuda)
-            try:
+            with _cuda_type_names():
                 return original(*args, **kwargs)
-            finally:
-                set_stand_in(torch.Tensor, "type", real_type)
 
         return clip_on_cpu
 
@@ -246,3 +269,40 @@ def _patch_clip_grads_type_check() -> None:
         make,
         also_in=["megatron.core.optimizer.optimizer"],
     )
+
+
+# Methods of megatron-core's Megatron-DDP optimizers that accept only ``torch.cuda.*Tensor`` params:
+# the distributed optimizer's grouping (a classmethod; the AdamW part of
+# ``LayerWiseDistributedOptimizer``) and the bf16 optimizer's constructor (its Muon part in bf16).
+_CUDA_TYPE_CHECKS = [
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer",
+        "_build_model_and_main_param_groups",
+    ),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+]
+
+
+def _patch_optimizer_type_checks() -> None:
+    """Each method of ``_CUDA_TYPE_CHECKS`` runs with CPU type names reported as CUDA ones."""
+    for module_name, class_name, method_name in _CUDA_TYPE_CHECKS:
+        module = import_optional(module_name)
+        if module is None:
+            continue
+        owner = getattr(module, class_name)
+        attribute = owner.__dict__[method_name]
+        if getattr(attribute, MARK, False) or getattr(
+            getattr(attribute, "__func__", None), MARK, False
+        ):
+            continue
+        is_classmethod = isinstance(attribute, classmethod)
+        original = attribute.__func__ if is_classmethod else attribute
+
+        def on_cpu(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with _cuda_type_names():
+                return _original(*args, **kwargs)
+
+        functools.update_wrapper(on_cpu, original)
+        setattr(on_cpu, MARK, True)
+        set_stand_in(owner, method_name, classmethod(on_cpu) if is_classmethod else on_cpu)
