@@ -15,7 +15,8 @@ fp32, "highest", on every side) against one single-process reference, megatron-c
 non-distributed Muon (``TensorParallelMuon`` in its bf16 optimizer) on Megatron's DDP on one rank
 with the whole batch, as max |got - reference| over max |reference - initial| (relative to the
 update; ``CHECKPOINTS`` says why both). Time: ``optimizer.step()`` of each, stepped in
-turn on the last step's gradients (median, min, max), and one step's transient memory.
+turn on the last step's gradients (median, min, max), one step's transient memory, FLOPs and
+collective bytes (``benchmarks.step_counts``), and the whole training step (median).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from benchmarks.optimizer_step import peak_step_memory, time_samples
+from benchmarks.optimizer_step import time_samples
+from benchmarks.step_counts import step_figures
 from benchmarks.training_step import GPTSize, optimizer_config
 
 __all__ = ["STEPS", "errors", "layerwise_reference", "layerwise_section", "layerwise_vs_ours"]
@@ -48,6 +50,16 @@ MUON_MATRICES = (
 # NS in fp32 on every side: bf16 NS differs between implementations by ~1e-2 of the update.
 _EXACT = {"muon_fp32_matmul_prec": "highest"}
 GLOBAL_MICRO_BATCHES = 4  # rows of each batch, in micro-batch sizes
+
+
+class _WholeStep:
+    """``step()``: one training step (forward, backward, gradient sync, optimizer step)."""
+
+    def __init__(self, wrapped, optimizer, size: GPTSize, device: str) -> None:
+        self.args = (wrapped, optimizer, size, device)
+
+    def step(self) -> None:
+        _train(*self.args, range(STEPS, STEPS + 1))
 
 
 class _Stepper:
@@ -241,17 +253,15 @@ def layerwise_vs_ours(
         after["layerwise"][steps.stop] = _ddp_main_weights(layer_wise, layer_wise_optimizer)
         after["ours"][steps.stop] = _fsdp_main_weights(ours_weights)
     steppers = {"ours": _Stepper(ours_optimizer), "layerwise": _Stepper(layer_wise_optimizer)}
-    samples = time_samples(steppers, device, warmup, repeats)
-    memory = peak_step_memory(steppers, device)
-    times = {
-        name: {
-            "seconds": median(values),
-            "min_s": min(values),
-            "max_s": max(values),
-            "transient_bytes": memory[name],
-        }
-        for name, values in samples.items()
+    times = step_figures(steppers, device, warmup, repeats)
+    # The whole training step too: DDP all-reduces gradients before its optimizer step, where
+    # Megatron-FSDP reduce-scatters them and ours exchanges rows inside the step.
+    whole = {
+        "ours": _WholeStep(ours, ours_optimizer, size, device),
+        "layerwise": _WholeStep(layer_wise, layer_wise_optimizer, size, device),
     }
+    for name, values in time_samples(whole, device, warmup, repeats).items():
+        times[name]["whole_step_s"] = median(values)
     return {"after": after, "times": times} if rank == 0 else {}
 
 
@@ -288,10 +298,12 @@ def layerwise_section(
         result = run_ranks(layerwise_vs_ours, dp, device, size, warmup, repeats)[0]
         errors_ = errors(result["after"], reference)
         times = result["times"]
+        whole_ratio = times["ours"]["whole_step_s"] / times["layerwise"]["whole_step_s"]
         row[str(dp)] = {
             "errors": errors_,
             "exact": {side: errors_[side][1] <= EXACT_AFTER_ONE_STEP for side in errors_},
             "times": times,
             "ours_over_peer": times["ours"]["seconds"] / times["layerwise"]["seconds"],
+            "whole_step_ours_over_peer": whole_ratio,
         }
     return row

@@ -9,22 +9,29 @@ min, max) with one step's transient memory. A peer that does not install or refu
 is a row with its reason, measured by trying: muonium's NS is a Triton kernel that asserts CUDA
 tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per process.
 megatron-core's ``LayerWiseDistributedOptimizer`` runs on Megatron's DDP with a whole GPTModel
-(``benchmarks.layerwise_peer``). Not built yet: bytes and NS FLOPs per rank for the peers.
+(``benchmarks.layerwise_peer``). Per side and DP: also one step's matmul FLOPs (NS) and bytes
+handed to collectives per rank, max and mean over the ranks, counted while it runs
+(``benchmarks.step_counts``), the same way for every implementation.
 """
 
 from __future__ import annotations
 
 import importlib
-from statistics import median
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import MUON_KWARGS, peak_step_memory, sharded_params, time_samples
+from benchmarks.optimizer_step import MUON_KWARGS, sharded_params
+from benchmarks.step_counts import step_figures
 from benchmarks.training_step import GPTSize
 
-__all__ = ["peer_exactness", "peer_import_errors", "peer_step_times", "peers_section"]
+__all__ = [
+    "peer_exactness",
+    "peer_import_errors",
+    "peer_step_times",
+    "peers_section",
+]
 
 STEPS = 3
 # Our settings changed, on both sides, where a peer cannot follow. Scale: muon-fsdp2's is
@@ -216,17 +223,7 @@ def peer_step_times(
         for p in params:
             p.grad = distribute_tensor(torch.randn_like(p.full_tensor()), mesh, [Shard(0)])
         optimizers[peer] = PEER_BUILDERS[peer](params)
-    samples = time_samples(optimizers, device, warmup, repeats)
-    memory = peak_step_memory(optimizers, device)
-    return {
-        name: {
-            "seconds": median(values),
-            "min_s": min(values),
-            "max_s": max(values),
-            "transient_bytes": memory[name],
-        }
-        for name, values in samples.items()
-    }
+    return step_figures(optimizers, device, warmup, repeats)
 
 
 def peer_import_errors() -> dict[str, str | None]:
