@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers bench-peers-deps \
+.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers-deps \
 	lint clean gpu-wheels
 
 venv:
@@ -41,11 +41,9 @@ test-torch-2.11:
 demo: venv
 	$(PY) -m megatron_muon.demo
 
-bench: venv
-	$(PY) -m benchmarks
-
-# `make bench` plus the peers, ideal-ratio and overlap sections (docs/benchmarks.md).
-bench-peers: venv bench-peers-deps
+# Every section, the peers, ideal-ratio and overlap ones included (docs/benchmarks.md; ~10 min on
+# 2 CPU cores). `python -m benchmarks` without --peers leaves those three out.
+bench: venv bench-peers-deps
 	$(PY) -m benchmarks --peers
 
 # The peers `make bench` compares with (docs/benchmarks.md, "Peers"): bench extras, never install

@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peers",
         action="store_true",
-        help="also the peers, ideal-ratio and overlap sections (make bench-peers installs the "
-        "peers; docs/benchmarks.md: built, not yet measured on a quiet machine; minutes more)",
+        help="also the peers, ideal-ratio and overlap sections (make bench runs them after "
+        "installing the peers, make bench-peers-deps; about 7 minutes more on 2 CPU cores)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
