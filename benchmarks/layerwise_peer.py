@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
-from benchmarks.training_step import GPTSize, optimizer_config
+from benchmarks.training_step import GPTSize, build_gpt, optimizer_config
 from megatron_muon.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = ["STEPS", "errors", "layerwise_reference", "layerwise_section", "layerwise_vs_ours"]
@@ -76,46 +76,13 @@ class _Stepper:
             raise RuntimeError("the optimizer step was skipped (non-finite grads?)")
 
 
-def _model(size: GPTSize):
-    """The bf16 GPTModel (Float16Module), seed 0: the same weights in every build."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
-    config = TransformerConfig(
-        num_layers=size.num_layers,
-        hidden_size=size.hidden,
-        ffn_hidden_size=size.ffn_hidden,
-        num_attention_heads=size.num_heads,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-    )
-    gpt = GPTModel(
-        config,
-        get_gpt_layer_local_spec(),
-        vocab_size=size.vocab_size,
-        max_sequence_length=size.seq_length,
-    )
-    return config, Float16Module(config, gpt)
-
-
-def _on_ddp(size: GPTSize, layer_wise: bool):
+def _on_ddp(size: GPTSize, device: str, layer_wise: bool):
     """(Megatron-DDP model, megatron-core Muon): layer-wise distributed, or the plain one."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.training.training import wrap_model_chunks_with_ddp
 
-    config, model = _model(size)
+    config, model = build_gpt(size, device, bf16=True)
     ddp_config = DistributedDataParallelConfig(
         gradient_reduce_div_fusion=False, grad_reduce_in_fp32=True
     )
@@ -134,7 +101,7 @@ def _on_megatron_fsdp(size: GPTSize, device: str):
 
     from megatron_muon import build_muon_optimizer
 
-    config, model = _model(size)
+    config, model = build_gpt(size, device, bf16=True)
     ddp_config = DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params",
         use_megatron_fsdp=True,
@@ -232,7 +199,7 @@ def layerwise_reference(rank: int, world_size: int, device: str, size: GPTSize) 
     ``CHECKPOINTS``."""
     if world_size != 1:
         raise ValueError(f"the reference runs on one rank, got {world_size}")
-    wrapped, optimizer = _on_ddp(size, layer_wise=False)
+    wrapped, optimizer = _on_ddp(size, device, layer_wise=False)
     initial = {_strip(n): p.detach().float().cpu().clone() for n, p in wrapped.named_parameters()}
     after = {}
     for steps in CHECKPOINTS:
@@ -246,7 +213,7 @@ def layerwise_vs_ours(
 ) -> dict:
     """Rank function: LayerWise and ours after ``STEPS`` steps (rank 0: main weights), then their
     optimizer steps timed in turn and one step's transient memory each."""
-    layer_wise, layer_wise_optimizer = _on_ddp(size, layer_wise=True)
+    layer_wise, layer_wise_optimizer = _on_ddp(size, device, layer_wise=True)
     ours, ours_optimizer, ours_weights = _on_megatron_fsdp(size, device)
     after: dict[str, dict] = {"layerwise": {}, "ours": {}}
     for steps in CHECKPOINTS:

@@ -25,7 +25,13 @@ import torch.distributed as dist
 
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
 
-__all__ = ["GPTSize", "muon_vs_adamw_step", "optimizer_config", "training_step_memory"]
+__all__ = [
+    "GPTSize",
+    "build_gpt",
+    "muon_vs_adamw_step",
+    "optimizer_config",
+    "training_step_memory",
+]
 
 KINDS = ("muon", "adamw")
 
@@ -80,51 +86,55 @@ def _torch_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def build_gpt(size: GPTSize, device: str, bf16: bool):
+    """(config, the GPTModel of ``size``), seed 0, on CPU-initialized weights on a CPU run; with
+    ``bf16``, bf16 compute weights as Megatron-LM's ``get_model`` makes them (with Megatron-FSDP
+    too): the module cast to bf16 (``Float16Module``), its fp32 inputs cast on the way in."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
+    config = TransformerConfig(
+        num_layers=size.num_layers,
+        hidden_size=size.hidden,
+        ffn_hidden_size=size.ffn_hidden,
+        num_attention_heads=size.num_heads,
+        use_cpu_initialization=device == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=size.vocab_size,
+        max_sequence_length=size.seq_length,
+    )
+    return config, Float16Module(config, model) if bf16 else model
+
+
 class _Trainer:
     """A wrapped GPTModel, its batch, and one optimizer kind on it."""
 
     def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
-        from megatron.core import parallel_state
         from megatron.core.distributed import (
             DistributedDataParallelConfig,
             FullyShardedDataParallel,
         )
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        from megatron.core.transformer import TransformerConfig
 
         from megatron_muon import build_muon_optimizer
 
         self.device = device
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        torch.manual_seed(0)
-        model_parallel_cuda_manual_seed(0, inference_rng_tracker=True, force_reset_rng=True)
-        config = TransformerConfig(
-            num_layers=size.num_layers,
-            hidden_size=size.hidden,
-            ffn_hidden_size=size.ffn_hidden,
-            num_attention_heads=size.num_heads,
-            use_cpu_initialization=device == "cpu",
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bf16=device == "cuda",
-            params_dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        )
-        model = GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            vocab_size=size.vocab_size,
-            max_sequence_length=size.seq_length,
-        )
-        if device == "cuda":
-            # bf16 compute weights as Megatron-LM's get_model makes them (with Megatron-FSDP too):
-            # the module cast to bf16, its fp32 inputs cast on the way in.
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(config, model)
+        config, model = build_gpt(size, device, bf16=device == "cuda")
         ddp_config = DistributedDataParallelConfig(
             data_parallel_sharding_strategy="optim_grads_params",
             use_megatron_fsdp=True,

@@ -61,3 +61,34 @@ def hsdp_shard_toy(module: nn.Module, outer: str) -> tuple[nn.Module, dist.Proce
         fsdp_unit_modules=[nn.Linear],
     )
     return wrapped, hsdp_group
+
+
+class AttentionModel(nn.Module):
+    """An attention layer as a model Megatron-FSDP can wrap (``forward(x, mask)``)."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, attention_mask=mask)[0]
+
+
+def fully_shard_attention(
+    attention: nn.Module, world_size: int, strategy: str, unit: type[nn.Module]
+) -> nn.Module:
+    """``AttentionModel(attention)`` wrapped by ``megatron_fsdp.fully_shard_model`` on a CPU
+    (fsdp, tp) mesh, ``unit`` (the attention's class) as the FSDP unit."""
+    import megatron_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
+    return megatron_fsdp.fully_shard_model(
+        AttentionModel(attention),
+        device_mesh=mesh,
+        dp_shard_dim="fsdp",
+        tp_dim="tp",
+        device=torch.device("cpu"),
+        zero_dp_strategy=strategy,
+        fsdp_unit_modules=[unit],
+    )

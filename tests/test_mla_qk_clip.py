@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_muon.qk_clip_rows import mla_kv_up_row_scales, mla_query_row_scales
+from tests.fsdp_models import fully_shard_attention
 from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -118,10 +119,7 @@ def _clip_once(rank: int, world_size: int, q_lora_rank: int | None) -> dict:
     clipped = _weights(attention)
     after = _logits_from_inputs(attention, x, mask)
 
-    mcore = _build_mla(q_lora_rank)
-    mcore.config.qk_clip, mcore.config.qk_clip_threshold = True, tau
-    mcore.core_attention.current_max_attn_logits = recorded.clone()
-    mcore.clip_qk()
+    mcore = _megatron_core_clip(q_lora_rank, tau, recorded)
     return {
         "tau": tau,
         "hand": hand,
@@ -132,6 +130,16 @@ def _clip_once(rank: int, world_size: int, q_lora_rank: int | None) -> dict:
         "after": after,
         "mcore": _weights(mcore),
     }
+
+
+def _megatron_core_clip(q_lora_rank: int | None, tau: float, max_logits: torch.Tensor):
+    """A fresh copy of the layer (the same initial weights) clipped by megatron-core's own MLA
+    ``clip_qk`` from ``max_logits`` (it reads them from the core attention, as TE records them)."""
+    mcore = _build_mla(q_lora_rank)
+    mcore.config.qk_clip, mcore.config.qk_clip_threshold = True, tau
+    mcore.core_attention.current_max_attn_logits = max_logits.clone()
+    mcore.clip_qk()
+    return mcore
 
 
 def _query_name(q_lora_rank: int | None) -> str:
@@ -196,10 +204,7 @@ def _negative_max_logits(rank: int, world_size: int) -> dict:
     attention(x, attention_mask=mask)
     clip.max_logits()[0].copy_(maxima)
     stats = clip.clip()
-    mcore = _build_mla(None)
-    mcore.config.qk_clip, mcore.config.qk_clip_threshold = True, tau
-    mcore.core_attention.current_max_attn_logits = maxima.clone()
-    mcore.clip_qk()
+    mcore = _megatron_core_clip(None, tau, maxima)
     return {
         "stats": stats,
         "initial": initial,
@@ -328,35 +333,13 @@ def test_row_shards_on_two_ranks_equal_the_unsharded_clip(splits) -> None:
         torch.testing.assert_close(mine, single["locals"][index], atol=1e-6, rtol=1e-6)
 
 
-class _AttentionModel(torch.nn.Module):
-    """The attention layer as a model Megatron-FSDP can wrap (``forward(x, mask)``)."""
-
-    def __init__(self, attention: torch.nn.Module) -> None:
-        super().__init__()
-        self.attention = attention
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.attention(x, attention_mask=mask)[0]
-
-
 def _run_megatron_fsdp(rank: int, world_size: int, tau: float, strategy: str) -> dict:
-    import megatron_fsdp
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-    from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon.qk_clip import QKClip, find_attentions
 
     attention = _build_mla(Q_LORA)
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
-    wrapped = megatron_fsdp.fully_shard_model(
-        _AttentionModel(attention),
-        device_mesh=mesh,
-        dp_shard_dim="fsdp",
-        tp_dim="tp",
-        device=torch.device("cpu"),
-        zero_dp_strategy=strategy,
-        fsdp_unit_modules=[MLASelfAttention],
-    )
+    wrapped = fully_shard_attention(attention, world_size, strategy, MLASelfAttention)
     # Built before the first forward, like the optimizer: the params are the DTensor row shards.
     clip = QKClip(find_attentions([wrapped]), tau, group=torch.distributed.group.WORLD, alpha=ALPHA)
     x, mask = _inputs()

@@ -15,6 +15,7 @@ import torch
 
 from megatron_muon.qk_clip import head_clip_factors
 from megatron_muon.qk_clip_rows import qkv_row_scales
+from tests.fsdp_models import fully_shard_attention
 from tests.harness import run_on_ranks
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 8, 6, 4
@@ -249,36 +250,14 @@ def test_sharded_on_two_ranks_equals_unsharded(splits: list[int]) -> None:
         torch.testing.assert_close(mine, single["locals"][index], atol=1e-6, rtol=1e-6)
 
 
-class _AttentionModel(torch.nn.Module):
-    """The attention layer as a model Megatron-FSDP can wrap (``forward(x, mask)``)."""
-
-    def __init__(self, attention: torch.nn.Module) -> None:
-        super().__init__()
-        self.attention = attention
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.attention(x, attention_mask=mask)[0]
-
-
 def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) -> dict:
     """The layer wrapped by Megatron-FSDP; rank r forwards batch entries r::world_size."""
-    import megatron_fsdp
     from megatron.core.transformer.attention import SelfAttention
-    from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon.qk_clip import QKClip, find_attentions
 
     attention = _build_attention(num_query_groups=2)
-    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("fsdp", "tp"))
-    wrapped = megatron_fsdp.fully_shard_model(
-        _AttentionModel(attention),
-        device_mesh=mesh,
-        dp_shard_dim="fsdp",
-        tp_dim="tp",
-        device=torch.device("cpu"),
-        zero_dp_strategy=strategy,
-        fsdp_unit_modules=[SelfAttention],
-    )
+    wrapped = fully_shard_attention(attention, world_size, strategy, SelfAttention)
     # Built before the first forward, like the optimizer: the modules' params are then the
     # DTensor row shards (the forward swaps in full compute weights).
     clip = QKClip(find_attentions([wrapped]), tau, group=torch.distributed.group.WORLD)
