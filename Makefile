@@ -24,6 +24,7 @@ AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCT
 PARITY_TESTS := tests/test_factory.py tests/test_grad_sync.py tests/test_factory_qk_clip.py \
 	tests/test_gram_newton_schulz_parity.py tests/test_sharded_muon.py \
 	tests/test_sharded_muon_layouts.py tests/test_tensor_parallel.py tests/test_mla.py \
+	tests/test_qk_clip.py tests/test_mla_qk_clip.py \
 	tests/test_megatron_lm_loop.py
 test-avx2: venv
 	$(AVX2_ENV) $(PY) scripts/show_cpu_kernels.py
