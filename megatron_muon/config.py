@@ -140,7 +140,8 @@ class MuonFsdpConfig:
         overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (two buckets'
             full matrices held at once instead of one; bitwise the same updates).
         qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.qk_clip.QKClip``) applied to every
-            megatron-core ``SelfAttention`` of the model after each step; None = off. Not a
+            megatron-core ``SelfAttention`` and ``MultiLatentAttention`` of the model after each
+            step; None = off. Not a
             ``ShardedMuon`` keyword: the factory builds the ``QKClip`` and the step wrapper runs it.
         qk_clip_alpha: the query side's share of each clipped head's factor ``eta`` (queries
             ``eta^alpha``, keys ``eta^(1 - alpha)``; ``--qk-clip-alpha``), in (0, 1) when QK-clip

@@ -35,7 +35,12 @@ megatron-core's optimizer wrappers, grad clipping, utils, schedules and MoE laye
   (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` or an int) allocate on CPU instead; applied to
   the module-level name ``torch`` only inside the modules ``cpu_device_redirect_modules()`` lists.
 - while ``clip_grad_by_total_norm_fp32`` runs, ``Tensor.type()`` reports CPU fp32 as
-  ``torch.cuda.FloatTensor`` (an assert in clip_grads.py).
+  ``torch.cuda.FloatTensor`` (an assert in clip_grads.py); likewise, CPU fp32/bf16/fp16 as their
+  CUDA types, while megatron-core's ``DistributedOptimizer`` groups its params and
+  ``Float16OptimizerWithFloat16Params`` is built (both accept CUDA types only: Megatron's DDP path,
+  e.g. ``LayerWiseDistributedOptimizer``, a bench peer).
+- Megatron-DDP's param and grad buffers (``param_and_grad_buffer``) and
+  ``LayerWiseDistributedOptimizer`` allocate on ``current_device()`` / ``"cuda"``: CPU.
 - ``torch.cuda.current_device()`` -> ``torch.device("cpu")`` inside the MoE router and
   ``tensor_parallel.mappings`` (``_CURRENT_DEVICE_CPU_MODULES``): ``TopKRouter.gating`` moves a
   CPU router weight to ``current_device()`` before every forward (router.py:98), i.e. to
