@@ -26,6 +26,16 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 _CONTRIBUTED = ("input", "inputs", "input_tensor", "input_tensors", "tensors", "self")
 
 
+# Ops of those namespaces that move no data: a functional collective's wait, and the wrapper DTensor
+# puts around its output (it would count the gathered tensor once more).
+_NOT_COLLECTIVES = frozenset({"wait_tensor", "wait_tensors", "_wrap_tensor_autograd"})
+
+
+def _op_name(func: Any) -> str:
+    """``_c10d_functional.wait_tensor.default`` -> ``wait_tensor``."""
+    return func._schema.name.split("::")[-1]
+
+
 class _CollectiveBytes(TorchDispatchMode):
     """Counts the bytes of the tensors this rank passes into collectives while active."""
 
@@ -35,7 +45,7 @@ class _CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func.namespace in _COLLECTIVE_NAMESPACES:
+        if func.namespace in _COLLECTIVE_NAMESPACES and _op_name(func) not in _NOT_COLLECTIVES:
             for argument, value in zip(func._schema.arguments, args, strict=False):
                 if argument.name in _CONTRIBUTED:
                     self.bytes += sum(
