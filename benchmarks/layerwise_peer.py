@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
-from benchmarks.training_step import GPTSize, build_gpt, optimizer_config
+from benchmarks.training_step import GPTSize, build_gpt, optimizer_config, torch_device
 from megatron_muon.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = ["STEPS", "errors", "layerwise_reference", "layerwise_section", "layerwise_vs_ours"]
@@ -108,8 +108,7 @@ def _on_megatron_fsdp(size: GPTSize, device: str):
         gradient_reduce_div_fusion=False,
         grad_reduce_in_fp32=True,
     )
-    target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
-    wrapped = FullyShardedDataParallel(config, ddp_config, model, device=torch.device(target))
+    wrapped = FullyShardedDataParallel(config, ddp_config, model, device=torch_device(device))
     main_weights = {_strip(n): p for n, p in wrapped.named_parameters() if _is_muon(n)}
     muon = optimizer_config("muon", bf16=True, **_EXACT)
     optimizer = build_muon_optimizer(muon, [wrapped], grads_already_synced=True)

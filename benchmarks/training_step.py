@@ -30,6 +30,7 @@ __all__ = [
     "build_gpt",
     "muon_vs_adamw_step",
     "optimizer_config",
+    "torch_device",
     "training_step_memory",
 ]
 
@@ -79,7 +80,7 @@ def optimizer_config(kind: str, bf16: bool, **overrides):
     raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
 
 
-def _torch_device(device: str) -> torch.device:
+def torch_device(device: str) -> torch.device:
     """``cuda:<current>`` (Megatron-FSDP warns about a bare ``cuda``) or ``cpu``."""
     if device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -141,7 +142,7 @@ class _Trainer:
             gradient_reduce_div_fusion=False,
         )
         self.wrapped = FullyShardedDataParallel(
-            config, ddp_config, model, device=_torch_device(device)
+            config, ddp_config, model, device=torch_device(device)
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
         settings = optimizer_config(kind, bf16=device == "cuda")
