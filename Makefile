@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-avx2 test-oldest test-torch-2.11 demo bench bench-peers-deps \
+.PHONY: venv test test-avx2 test-oldest test-torch-2.11 test-bridge demo bench bench-peers-deps \
 	lint clean gpu-wheels
 
 venv:
@@ -38,6 +38,13 @@ test-oldest:
 # The same check with torch 2.11 (the GPU machines' torch), in its own .venv-torch-2.11.
 test-torch-2.11:
 	@VENV_OLDEST=.venv-torch-2.11 TORCH_VERSION=2.11.0 bash scripts/test_oldest.sh
+
+# Megatron-Bridge's pretrain with megatron_muon.integrations.megatron_bridge (tests/bridge/), in its
+# own .venv-bridge with Bridge pinned exactly (constraints-bridge.txt; scripts/setup_bridge_venv.sh
+# says what it installs and why; docs/megatron_bridge.md). Elsewhere these tests are skipped.
+test-bridge:
+	@bash scripts/setup_bridge_venv.sh
+	.venv-bridge/bin/python -m pytest tests/bridge -p no:cacheprovider $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m megatron_muon.demo
@@ -77,4 +84,4 @@ lint: venv
 	$(PY) scripts/check_code_shape.py megatron_muon
 
 clean:
-	rm -rf .venv .venv-oldest .venv-torch-2.11 bench_out demo_out
+	rm -rf .venv .venv-oldest .venv-torch-2.11 .venv-bridge bench_out demo_out

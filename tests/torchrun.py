@@ -141,6 +141,7 @@ def run_megatron(
     install: bool = True,
     env: dict[str, str] | None = None,
     entry: list[str] | None = None,
+    entry_prints_done_marker: bool = False,
 ) -> MegatronRun:
     """Runs the example under torchrun on ``nproc`` CPU ranks and parses what the loop printed.
 
@@ -149,8 +150,10 @@ def run_megatron(
         install: ``False`` runs the example with ``install()`` replaced by the CPU stand-ins
             alone (stock megatron.training, for the behaviour-preserved test).
         entry: run this instead of the driver (e.g. ``["-m", "megatron_muon.pretrain"]``), with
-            ``script_args`` alone (no ``TINY_GPT_CPU_FLAGS``, no end marker to wait for).
+            ``script_args`` alone (no ``TINY_GPT_CPU_FLAGS``, no end marker to wait for unless
+            ``entry_prints_done_marker``).
     """
+    wait_for_marker = entry is None or entry_prints_done_marker
     require_multirank_marker(f"torchrun with {nproc} ranks")
     target = (
         [str(DRIVER), *([] if install else ["--no-megatron-muon-install"]), *TINY_GPT_CPU_FLAGS]
@@ -193,7 +196,7 @@ def run_megatron(
         launcher_output, _ = process.communicate()
         outputs = _read_ranks(log_dir, nproc)
         stuck = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
-        if entry is not None:  # no end marker: name every rank
+        if not wait_for_marker:  # no end marker: name every rank
             stuck = list(range(nproc))
         tails = _failure_tails(log_dir, nproc, stuck)
         raise TorchrunTimeout(
@@ -208,7 +211,7 @@ def run_megatron(
             f"{launcher_output[-2000:]}"
         )
     not_done = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
-    if not_done and entry is None:
+    if not_done and wait_for_marker:
         raise TorchrunFailure(f"ranks {not_done} exited 0 without finishing the driver")
     iterations: dict[int, dict[str, float]] = {}
     layouts: dict[int, dict[str, list[int]]] = {}

@@ -100,6 +100,11 @@ of everything above; ``training_loop``):
   buffers on ``cuda:current_device()``.
 - the device redirect above, extended to the loop's modules
   (``device_redirect.TRAINING_REDIRECT_MODULES``).
+
+Megatron-Bridge's training loop, ``megatron.bridge.training.pretrain`` (``install_for_bridge()``,
+on top of ``install_for_training()``; ``bridge_loop``, whose docstring lists them): Bridge's own
+``initialize_megatron`` without ``allow_no_cuda``, its RNG seeding, and four Bridge modules' CUDA
+allocations.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ from __future__ import annotations
 import torch
 
 from megatron_muon.cpu_stand_ins import (
+    bridge_loop,
     cuda_runtime,
     device_redirect,
     fsdp,
@@ -116,10 +122,17 @@ from megatron_muon.cpu_stand_ins import (
 )
 from megatron_muon.cpu_stand_ins.device_redirect import cpu_device_redirect_modules
 
-__all__ = ["install", "install_for_training", "installed", "cpu_device_redirect_modules"]
+__all__ = [
+    "install",
+    "install_for_bridge",
+    "install_for_training",
+    "installed",
+    "cpu_device_redirect_modules",
+]
 
 _INSTALLED = False
 _TRAINING_INSTALLED = False
+_BRIDGE_INSTALLED = False
 
 
 def installed() -> bool:
@@ -174,3 +187,18 @@ def install_for_training() -> None:
         return
     training_loop.patch()
     _TRAINING_INSTALLED = True
+
+
+def install_for_bridge() -> None:
+    """Applies ``install_for_training()`` plus the stand-ins Megatron-Bridge's ``pretrain`` needs
+    (``bridge_loop``). Idempotent; may run before ``init_process_group``, as Bridge creates it.
+
+    Raises:
+        RuntimeError: if a CUDA device is present.
+    """
+    global _BRIDGE_INSTALLED
+    install_for_training()
+    if _BRIDGE_INSTALLED:
+        return
+    bridge_loop.patch()
+    _BRIDGE_INSTALLED = True

@@ -60,7 +60,7 @@ def _cpu_rng_tracker_class() -> type:
     return CpuRngTracker
 
 
-def _install_cpu_rng_tracker(seed: int) -> None:
+def install_cpu_rng_tracker(seed: int) -> None:
     """Megatron's tracker states for ``seed`` (data, tensor, expert parallel), in a CPU tracker."""
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     # model_parallel_cuda_manual_seed keeps an initialized tracker (no force_reset) and adds its
@@ -116,7 +116,7 @@ def _patch_training_initialize() -> None:
             # The CPU seeds are set by the original; with no GPU counted it skips the CUDA
             # tracker, which model code forks and checkpoints save: the CPU tracker instead.
             result = original(seed, *args, **kwargs)
-            _install_cpu_rng_tracker(seed)
+            install_cpu_rng_tracker(seed)
             return result
 
         return seed_with_cpu_tracker

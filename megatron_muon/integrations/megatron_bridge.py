@@ -1,0 +1,264 @@
+"""Muon on Megatron-FSDP in Megatron-Bridge recipes: one optimizer config.
+
+Megatron-Bridge's ``setup_optimizer`` (``megatron/bridge/training/optim.py``) builds the optimizer
+through ``optimizer_config.provide(...)`` whenever the config has that method (Bridge's extension
+point); otherwise any name containing "muon" goes to megatron-core's
+``get_megatron_muon_optimizer``, which with ``use_megatron_fsdp`` trains nothing at DP=1, crashes
+in Newton-Schulz on uneven row shards at DP=2 and fails to build for ``dist_muon``.
+A recipe sets, in one line::
+
+    cfg.optimizer = MuonFsdpOptimizerConfig.from_config(cfg.optimizer)   # any Bridge config
+    # or, in place of Bridge's distributed_muon_with_cosine_annealing(...):
+    cfg.optimizer, cfg.scheduler = muon_fsdp_with_cosine_annealing(...)
+
+``MuonFsdpOptimizerConfig`` is Bridge's ``OptimizerConfig`` plus ``muon_fsdp`` (megatron-muon's
+``MuonFsdpConfig``: mode, buckets, NS method, momentum offload, QK-clip). Its ``provide``:
+
+- ``optimizer`` "muon" or "dist_muon" with a Megatron-FSDP model: megatron-muon's exact Muon
+  (``build_muon_optimizer``, state in Bridge's ``fsdp_dtensor`` checkpoints; Bridge's ``train_step``
+  reduces gradients before ``step()``, hence ``grads_already_synced``). fp16 is refused there.
+- "adam" with Megatron-FSDP: megatron-core's optimizer, with every param's Adam state created on
+  every rank at build (``checkpoint_guard.make_adam_state_rank_symmetric``): stock, a rank holding
+  no rows of a param gets no lazy state and the ``fsdp_dtensor`` save hangs.
+- anything else (no Megatron-FSDP, other optimizers): what Bridge itself would build.
+
+MuonClip: with the model's ``qk_clip`` on (Bridge's model-provider fields ``qk_clip``,
+``qk_clip_threshold``, ``qk_clip_alpha``), megatron-muon's ``QKClip`` clips the main weights' row
+shards after each step and Bridge's own ``clip_qk`` (compute weights, Transformer Engine only) is
+skipped for those model chunks (``install()``'s one patch of Bridge).
+
+Building the config calls ``install()`` (idempotent), which applies, before Bridge initializes:
+
+1. the version checks (``SUPPORTED_MEGATRON_BRIDGE``, ``megatron_lm.SUPPORTED_MEGATRON_CORE``);
+2. megatron-core's shipped dataset helpers (``megatron_lm.use_shipped_dataset_helpers``; Bridge's
+   ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
+3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
+4. without a GPU, ``megatron_muon.cpu_stand_ins.install_for_bridge()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_muon.config import MuonFsdpConfig
+from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
+from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
+
+__all__ = [
+    "MUON_OPTIMIZERS",
+    "SUPPORTED_MEGATRON_BRIDGE",
+    "MuonFsdpOptimizerConfig",
+    "check_megatron_bridge_version",
+    "install",
+    "muon_fsdp_with_cosine_annealing",
+]
+
+# The Megatron-Bridge versions whose optim.py, train.py and initialize.py were read.
+SUPPORTED_MEGATRON_BRIDGE = "==0.6.2"
+# Bridge's Muon names (its recipes' helper makes "dist_muon"): megatron-muon's Muon under FSDP.
+MUON_OPTIMIZERS = ("muon", "dist_muon")
+
+_INSTALLED = False
+# Model chunks whose QK-clip megatron-muon's step runs -> that optimizer (Bridge's clip_qk skips).
+_OURS_CLIPS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def check_megatron_bridge_version() -> None:
+    """Raises unless the installed Megatron-Bridge is in ``SUPPORTED_MEGATRON_BRIDGE``."""
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    installed = version("megatron-bridge")
+    if not SpecifierSet(SUPPORTED_MEGATRON_BRIDGE).contains(installed, prereleases=True):
+        raise RuntimeError(
+            f"{__name__} uses Megatron-Bridge's optimizer extension point and patches its "
+            f"train.clip_qk as they are in megatron-bridge {SUPPORTED_MEGATRON_BRIDGE}; "
+            f"megatron-bridge {installed} is installed. Install that version, or check the "
+            "module docstring's items against it and widen SUPPORTED_MEGATRON_BRIDGE."
+        )
+
+
+def install(*, cpu_stand_ins: bool | None = None) -> None:
+    """Prepares Megatron-Bridge's ``pretrain`` for ``MuonFsdpOptimizerConfig`` (module docstring).
+
+    Idempotent; ``MuonFsdpOptimizerConfig()`` calls it.
+
+    Args:
+        cpu_stand_ins: apply ``cpu_stand_ins.install_for_bridge()``; default: without a GPU.
+
+    Raises:
+        RuntimeError: an unsupported Megatron-Bridge or megatron-core version is installed.
+    """
+    global _INSTALLED
+    check_megatron_bridge_version()
+    megatron_lm.check_megatron_core_version(__name__)
+    if cpu_stand_ins is None:
+        cpu_stand_ins = not torch.cuda.is_available()
+    if cpu_stand_ins:
+        from megatron_muon import cpu_stand_ins as stand_ins
+
+        stand_ins.install_for_bridge()
+    if _INSTALLED:
+        return
+    megatron_lm.use_shipped_dataset_helpers()
+    initialize: Any = importlib.import_module("megatron.bridge.training.initialize")
+    datasets_utils: Any = importlib.import_module("megatron.core.datasets.utils")
+    initialize.compile_helpers = datasets_utils.compile_helpers
+    train: Any = importlib.import_module("megatron.bridge.training.train")
+    train.clip_qk = _skipping_our_qk_clip(train.clip_qk)
+    _INSTALLED = True
+
+
+def _skipping_our_qk_clip(clip_qk: Any) -> Any:
+    @functools.wraps(clip_qk)
+    def clip_qk_unless_ours(model: Any, *args: Any, **kwargs: Any) -> Any:
+        chunks = model if isinstance(model, list) else [model]
+        optimizer = next((_OURS_CLIPS[c] for c in chunks if c in _OURS_CLIPS), None)
+        if optimizer is None:
+            return clip_qk(model, *args, **kwargs)
+        stats = optimizer.last_qk_clip
+        return None if stats is None else stats.max_logit
+
+    return clip_qk_unless_ours
+
+
+def _bridge_optimizer_config() -> type:
+    return importlib.import_module("megatron.bridge.training.config").OptimizerConfig
+
+
+@dataclasses.dataclass
+class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]  # Bridge: untyped
+    """Bridge's ``OptimizerConfig`` whose ``provide`` builds megatron-muon's Muon under
+    Megatron-FSDP (module docstring).
+
+    Attributes:
+        muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); its ``qk_clip_threshold`` /
+            ``qk_clip_alpha`` come from the model's ``qk_clip*`` fields when ``qk_clip`` is on.
+    """
+
+    muon_fsdp: MuonFsdpConfig = dataclasses.field(default_factory=MuonFsdpConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        install()
+
+    @classmethod
+    def from_config(cls, config: Any, **muon_fsdp: Any) -> MuonFsdpOptimizerConfig:
+        """This class with every field of ``config`` (a Bridge or megatron-core
+        ``OptimizerConfig``, e.g. a recipe's) and ``MuonFsdpConfig(**muon_fsdp)``."""
+        values = {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(config)
+            if f.init and f.name != "muon_fsdp"
+        }
+        return cls(**values, muon_fsdp=MuonFsdpConfig(**muon_fsdp))
+
+    def provide(
+        self,
+        model_chunks: Any,
+        config_overrides: Any = None,
+        use_gloo_process_groups: bool = True,
+        pg_collection: Any = None,
+    ) -> Any:
+        """The optimizer Bridge's ``setup_optimizer`` asks for (Bridge's extension point)."""
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        if not uses_megatron_fsdp(chunks):
+            return self._bridge_default(
+                chunks, config_overrides, use_gloo_process_groups, pg_collection
+            )
+        if self.optimizer in MUON_OPTIMIZERS:
+            return self._muon(chunks, config_overrides, pg_collection)
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        optimizer = get_megatron_optimizer(
+            config=self,
+            model_chunks=chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
+        if self.optimizer == "adam":
+            make_adam_state_rank_symmetric(optimizer)
+        return optimizer
+
+    def _muon(self, chunks: Sequence[Any], config_overrides: Any, pg_collection: Any) -> Any:
+        from megatron_muon.factory import build_muon_optimizer
+
+        config = copy.copy(self)
+        config.optimizer = "muon"
+        fsdp_config = _with_model_qk_clip(self.muon_fsdp, chunks[0].config)
+        optimizer = build_muon_optimizer(
+            config,
+            chunks,
+            config_overrides=config_overrides,
+            pg_collection=pg_collection,
+            fsdp_config=fsdp_config,
+            grads_already_synced=True,
+            ckpt_format="fsdp_dtensor",
+        )
+        if fsdp_config.qk_clip_threshold is not None:
+            for chunk in chunks:
+                _OURS_CLIPS[chunk] = optimizer
+        return optimizer
+
+    def _bridge_default(
+        self, chunks: Any, config_overrides: Any, use_gloo_process_groups: bool, pg_collection: Any
+    ) -> Any:
+        """What Bridge's ``setup_optimizer`` builds for a config without ``provide``."""
+        from megatron.core.optimizer import get_megatron_muon_optimizer, get_megatron_optimizer
+
+        kwargs = dict(
+            config=self,
+            model_chunks=chunks,
+            config_overrides=config_overrides,
+            use_gloo_process_groups=use_gloo_process_groups,
+            pg_collection=pg_collection,
+        )
+        if "muon" not in self.optimizer and "soap" not in self.optimizer:
+            return get_megatron_optimizer(**kwargs)
+        return get_megatron_muon_optimizer(
+            **kwargs, layer_wise_distributed_optimizer="dist" in self.optimizer
+        )
+
+
+def _with_model_qk_clip(fsdp_config: MuonFsdpConfig, model_config: Any) -> MuonFsdpConfig:
+    """``fsdp_config`` with the model config's MuonClip settings when its ``qk_clip`` is on.
+
+    Raises:
+        ValueError: both ``muon_fsdp.qk_clip_threshold`` and the model's ``qk_clip`` are set.
+    """
+    if not getattr(model_config, "qk_clip", False):
+        return fsdp_config
+    if fsdp_config.qk_clip_threshold is not None:
+        raise ValueError(
+            "QK-clip is set twice: muon_fsdp.qk_clip_threshold="
+            f"{fsdp_config.qk_clip_threshold} and the model's qk_clip=True (qk_clip_threshold="
+            f"{model_config.qk_clip_threshold}); set it on the model only"
+        )
+    return dataclasses.replace(
+        fsdp_config,
+        qk_clip_threshold=model_config.qk_clip_threshold,
+        qk_clip_alpha=model_config.qk_clip_alpha,
+    )
+
+
+def muon_fsdp_with_cosine_annealing(
+    **kwargs: Any,
+) -> tuple[MuonFsdpOptimizerConfig, Any]:
+    """Bridge's ``distributed_muon_with_cosine_annealing(**kwargs)`` (same arguments, same
+    scheduler), its optimizer config as ``MuonFsdpOptimizerConfig``; ``muon_fsdp=`` (a dict of
+    ``MuonFsdpConfig`` fields) sets megatron-muon's settings."""
+    optimizer_utils = importlib.import_module("megatron.bridge.recipes.utils.optimizer_utils")
+    muon_fsdp = kwargs.pop("muon_fsdp", None) or {}
+    optimizer, scheduler = optimizer_utils.distributed_muon_with_cosine_annealing(**kwargs)
+    return MuonFsdpOptimizerConfig.from_config(optimizer, **muon_fsdp), scheduler

@@ -1,0 +1,131 @@
+"""One Megatron-Bridge ``pretrain`` run of ``examples/bridge_pretrain_gpt.py``'s tiny GPT (tests).
+
+Launched by ``tests/bridge/test_bridge_pretrain.py`` under torchrun; its one argument is a JSON
+object:
+
+- ``optimizer``: "muon", "dist_muon" or "adam";
+- ``integration``: false for Bridge's own ``OptimizerConfig``, with
+  ``megatron_muon.integrations.megatron_bridge`` never imported (the CPU stand-ins and the
+  dataset-helpers fix are then applied directly);
+- ``recipe``: the optimizer config from ``muon_fsdp_with_cosine_annealing`` (the helper of
+  Bridge's Muon recipes, wrapped);
+- ``model``: fields set on the model provider, e.g. ``qk_clip``;
+- the rest: ``tiny_gpt_config``'s keywords.
+
+Rank 0 prints ``BRIDGE_OPTIMIZER`` and the optimizer's class at the start; after each iteration
+``BRIDGE_STEP`` and a JSON object (iteration, ``lm loss``, grad norm at full precision: Bridge's
+log rounds the norm); at the end how often Bridge's own ``clip_qk`` ran
+(``BRIDGE_CLIP_QK_CALLS``). Every rank prints the end marker.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "examples")]
+STEP_MARKER = "BRIDGE_STEP "
+OPTIMIZER_MARKER = "BRIDGE_OPTIMIZER "
+INTEGRATION = "megatron_muon.integrations.megatron_bridge"
+
+
+def _without_integration() -> None:
+    """What the integration's ``install()`` applies and a stock Bridge run needs on this machine."""
+    from megatron_muon import cpu_stand_ins
+    from megatron_muon.integrations import megatron_lm
+
+    cpu_stand_ins.install_for_bridge()
+    megatron_lm.use_shipped_dataset_helpers()
+    import megatron.bridge.training.initialize as initialize
+    import megatron.core.datasets.utils as datasets_utils
+
+    initialize.compile_helpers = datasets_utils.compile_helpers
+
+
+def _optimizer_config(spec: dict[str, Any]) -> Any:
+    from bridge_pretrain_gpt import tiny_gpt_optimizer
+
+    if not spec.get("integration", True):
+        return tiny_gpt_optimizer(spec["optimizer"])
+    from megatron_muon.integrations.megatron_bridge import (
+        MuonFsdpOptimizerConfig,
+        muon_fsdp_with_cosine_annealing,
+    )
+
+    if not spec.get("recipe"):
+        return MuonFsdpOptimizerConfig.from_config(tiny_gpt_optimizer(spec["optimizer"]))
+    optimizer, _ = muon_fsdp_with_cosine_annealing(
+        precision="fp32",
+        max_lr=1e-2,
+        min_lr=1e-3,
+        weight_decay=0.01,
+        muon_use_nesterov=False,
+        muon_fp32_matmul_prec="highest",
+        lr_warmup_iters=1,
+        lr_decay_iters=spec["train_iters"],
+    )
+    return optimizer
+
+
+_CLIP_QK_CALLS = [0]
+
+
+def _count_bridge_clip_qk() -> None:
+    """Counts calls of Bridge's ``train.clip_qk`` (wrapped before the integration wraps it)."""
+    import megatron.bridge.training.train as train
+
+    clip_qk = train.clip_qk
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _CLIP_QK_CALLS[0] += 1
+        return clip_qk(*args, **kwargs)
+
+    train.clip_qk = counted
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    _count_bridge_clip_qk()
+    if not spec.get("integration", True):
+        _without_integration()
+    from bridge_pretrain_gpt import tiny_gpt_config
+    from megatron.bridge.training.callbacks import Callback
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    class Record(Callback):  # type: ignore[misc]
+        def on_train_start(self, context: Any) -> None:
+            if torch.distributed.get_rank() == 0:
+                print(OPTIMIZER_MARKER + type(context.optimizer).__name__, flush=True)
+
+        def on_train_step_end(self, context: Any) -> None:
+            if torch.distributed.get_rank() == 0:
+                step = {
+                    "iteration": context.state.train_state.step,
+                    "lm loss": float(context.loss_dict["lm loss"]),
+                    "grad norm": float(context.grad_norm),
+                }
+                print(STEP_MARKER + json.dumps(step), flush=True)
+
+    own = ("optimizer", "integration", "recipe", "model")
+    cfg = tiny_gpt_config(
+        _optimizer_config(spec), **{k: v for k, v in spec.items() if k not in own}
+    )
+    for name, value in spec.get("model", {}).items():
+        setattr(cfg.model, name, value)
+    pretrain(cfg, forward_step, callbacks=[Record()])
+    imported = INTEGRATION in sys.modules
+    print(f"BRIDGE_INTEGRATION_IMPORTED {json.dumps(imported)}", flush=True)
+    print(f"BRIDGE_CLIP_QK_CALLS {_CLIP_QK_CALLS[0]}", flush=True)
+    from tests.torchrun import DONE_MARKER
+
+    print(DONE_MARKER, flush=True)
+
+
+if __name__ == "__main__":
+    main()
