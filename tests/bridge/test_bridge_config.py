@@ -1,0 +1,65 @@
+"""``MuonFsdpOptimizerConfig`` as a recipe builds it: fields carried over, bad input refused.
+
+Single-process; needs Megatron-Bridge (``make test-bridge``), skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.bridge") is None,
+    reason="Megatron-Bridge is not installed here: `make test-bridge` runs these tests in "
+    ".venv-bridge (scripts/setup_bridge_venv.sh)",
+)
+
+
+def test_from_config_keeps_every_field_of_a_recipe_config_and_sets_ours() -> None:
+    from megatron.bridge.recipes.utils.optimizer_utils import (
+        distributed_muon_with_cosine_annealing,
+    )
+
+    from megatron_muon.integrations.megatron_bridge import (
+        MuonFsdpOptimizerConfig,
+        muon_fsdp_with_cosine_annealing,
+    )
+
+    recipe, recipe_scheduler = distributed_muon_with_cosine_annealing(
+        max_lr=3e-3, muon_momentum=0.9
+    )
+    ours = MuonFsdpOptimizerConfig.from_config(recipe, mode="gather", ns_method="gram")
+    for field in dataclasses.fields(recipe):
+        assert getattr(ours, field.name) == getattr(recipe, field.name), field.name
+    assert (ours.muon_fsdp.mode, ours.muon_fsdp.ns_method) == ("gather", "gram")
+
+    helper, scheduler = muon_fsdp_with_cosine_annealing(max_lr=3e-3, muon_momentum=0.9)
+    assert isinstance(helper, MuonFsdpOptimizerConfig)
+    assert (helper.optimizer, helper.lr, helper.muon_momentum) == ("dist_muon", 3e-3, 0.9)
+    assert scheduler == recipe_scheduler
+
+
+def test_qk_clip_set_on_both_model_and_muon_fsdp_is_refused() -> None:
+    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.integrations.megatron_bridge import _with_model_qk_clip
+
+    model = SimpleNamespace(qk_clip=True, qk_clip_threshold=50.0, qk_clip_alpha=0.3)
+    taken = _with_model_qk_clip(MuonFsdpConfig(), model)
+    assert (taken.qk_clip_threshold, taken.qk_clip_alpha) == (50.0, 0.3)
+    off = SimpleNamespace(qk_clip=False, qk_clip_threshold=50.0, qk_clip_alpha=0.3)
+    assert _with_model_qk_clip(MuonFsdpConfig(), off) == MuonFsdpConfig()
+    with pytest.raises(ValueError, match="QK-clip is set twice"):
+        _with_model_qk_clip(MuonFsdpConfig(qk_clip_threshold=20.0), model)
+
+
+def test_another_megatron_bridge_version_is_refused_naming_the_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_muon.integrations import megatron_bridge
+
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.7.0")
+    with pytest.raises(RuntimeError, match=r"megatron-bridge ==0\.6\.2.*0\.7\.0 is installed"):
+        megatron_bridge.check_megatron_bridge_version()
