@@ -114,7 +114,7 @@ def newton_schulz_rates(
 ) -> list[dict]:
     """NS seconds and FLOP/s of each ``(rows, cols)`` fp32 matrix at Megatron's default precision
     ("medium": bf16 matmuls), the standard method, 5 quintic steps."""
-    from megatron_muon.newton_schulz import NSConfig, orthogonalize
+    from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
 
     config = NSConfig()
     torch.set_float32_matmul_precision("medium")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
 from benchmarks.training_step import GPTSize, build_gpt, optimizer_config, torch_device
-from megatron_muon.matmul_rates import BF16_SLOW_FACTOR
+from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = ["STEPS", "errors", "layerwise_reference", "layerwise_section", "layerwise_vs_ours"]
 
@@ -174,7 +174,7 @@ def _ddp_main_weights(wrapped, optimizer) -> dict[str, torch.Tensor]:
 def _fsdp_main_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rank 0: the full fp32 main weights from every rank's Megatron-FSDP row shard (uneven shards:
     each located by ``megatron_fsdp_slice``)."""
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     mine = {}
     for name, param in weights.items():

@@ -1,6 +1,7 @@
 """First in ``make bench``: the machine's matmul rates, and the NS precision they pick.
 
-One thread's fp32 and bf16 matmul rates (``megatron_muon.matmul_rates``, 512^3) decide the run's NS
+One thread's fp32 and bf16 matmul rates (``megatron_muon.newton_schulz.matmul_rates``, 512^3)
+decide the run's NS
 precision: Megatron's default "medium" (bf16 NS matmuls) where bf16 runs within
 ``BF16_SLOW_FACTOR`` of fp32, else "highest" (fp32): on a CPU without bf16 instructions bf16 NS is
 tens of times slower and the run would not finish in its time (measured: a DP=2 owner step past
@@ -19,7 +20,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from megatron_muon.matmul_rates import BF16_SLOW_FACTOR, bf16_is_slow, measure_matmul_rates
+from megatron_muon.newton_schulz.matmul_rates import (
+    BF16_SLOW_FACTOR,
+    bf16_is_slow,
+    measure_matmul_rates,
+)
 
 __all__ = ["choose_ns_precision", "quiet_rank", "LIBRARY_NOTICE"]
 

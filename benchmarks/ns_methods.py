@@ -1,7 +1,8 @@
 """Micro-benchmark: Gram vs standard Newton-Schulz time by aspect ratio, on CPU, one thread.
 
 For each shape ``(k, ratio * k)`` (and a batched 3-D expert stack), times
-``megatron_muon.newton_schulz.orthogonalize`` with ``ns_method="standard"`` and ``"gram"`` (same
+``megatron_muon.newton_schulz.methods.orthogonalize`` with ``ns_method="standard"`` and ``"gram"``
+(same
 coefficients, default restarts), reports the median of ``repeats`` timed calls after ``warmup``
 untimed ones (the two methods timed alternately), the speedup standard/gram, and the FLOP ratio
 ``ns_flops`` predicts. Ratio 1 shows the fallback (Gram runs standard NS on near-square matrices).
@@ -29,7 +30,7 @@ from typing import Literal
 import torch
 
 from benchmarks.measure import synchronize
-from megatron_muon.newton_schulz import NSConfig, orthogonalize, uses_gram
+from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize, uses_gram
 
 PrecisionT = Literal["fp32", "fp16", "bf16"]
 

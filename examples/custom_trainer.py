@@ -4,7 +4,7 @@ A megatron-core ``GPTModel`` wrapped by Megatron-FSDP (megatron-core ``FullyShar
 chained Muon (2-D hidden weights, ``ShardedMuon`` over ``dp_cp``) and AdamW (embeddings, output
 layer, biases, norms) from ``build_muon_optimizer``, trained on the embedded real text. The step
 wrapper the factory returns reduces the gradients once, whatever the backward did
-(``megatron_muon.grad_sync``; this loop does not reduce them itself:
+(``megatron_muon.fsdp.grad_sync``; this loop does not reduce them itself:
 ``grads_already_synced=False``), clips, steps both optimizers, installs the new weights and starts
 the parameter sync.
 
@@ -54,7 +54,7 @@ def train(steps: int = 20, seq_length: int = 64, micro_batch: int = 4, lr: float
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_muon import MuonFsdpConfig, build_muon_optimizer
-    from megatron_muon.data import ByteTextDataset, load_text_splits
+    from megatron_muon.cli.data import ByteTextDataset, load_text_splits
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -85,7 +85,11 @@ def _muon_precision_flags() -> list[str]:
     (``megatron_muon.pretrain``)."""
     import torch
 
-    from megatron_muon.matmul_rates import bf16_is_slow, measure_matmul_rates, slow_bf16_message
+    from megatron_muon.newton_schulz.matmul_rates import (
+        bf16_is_slow,
+        measure_matmul_rates,
+        slow_bf16_message,
+    )
 
     if torch.cuda.is_available():
         return []

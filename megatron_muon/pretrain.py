@@ -5,7 +5,7 @@ after ``megatron_muon.integrations.megatron_lm.install()``, with Megatron's flag
 run shape, data and checkpoints, and three things of its own:
 
 - **Embedded real text by default**: byte-level tokens (vocabulary 256) of the Python standard
-  library's sources, with a held-out validation split (``megatron_muon.data``); ``--text-path``
+  library's sources, with a held-out validation split (``megatron_muon.cli.data``); ``--text-path``
   takes a user's text file instead, and Megatron's ``--mock-data`` / ``--data-path`` (indexed
   datasets, with ``--tokenizer-type``) work as in Megatron-LM.
 - **A progress line** per ``--log-interval``: iteration, learning rate, train loss, the last
@@ -16,7 +16,7 @@ run shape, data and checkpoints, and three things of its own:
 
 Model and run-length flags are enough: Megatron-FSDP with ``fsdp_dtensor`` checkpoints, position
 embeddings, evaluation and logging intervals and, without a GPU, the CPU/gloo flags are filled in
-where the user left them unset (``megatron_muon.pretrain_defaults``; printed once as "defaults
+where the user left them unset (``megatron_muon.cli.pretrain_defaults``; printed once as "defaults
 applied: ..."). Launch with ``torchrun``::
 
     torchrun --nproc-per-node 2 -m megatron_muon.pretrain --optimizer muon \\
@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_muon.cli.pretrain_args import add_pretrain_args, config_flags, config_path, parser
+from megatron_muon.cli.pretrain_data import datasets_provider, forward_step
+from megatron_muon.cli.pretrain_defaults import default_flags, has_transformer_engine
 from megatron_muon.integrations import checkpoint_guard, megatron_lm, megatron_lm_progress
 from megatron_muon.integrations.megatron_lm_progress import RunLog
-from megatron_muon.pretrain_args import add_pretrain_args, config_flags, config_path, parser
-from megatron_muon.pretrain_data import datasets_provider, forward_step
-from megatron_muon.pretrain_defaults import default_flags, has_transformer_engine
 
 __all__ = ["main", "add_pretrain_args", "config_flags", "RunLog", "scheduler_mismatch_message"]
 
@@ -147,12 +147,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _notice_slow_bf16(args: argparse.Namespace) -> None:
     """Once, on rank 0 of a CPU run: Muon's NS in bf16 on a CPU without bf16 instructions
-    (``megatron_muon.matmul_rates``), and the flag that runs it in fp32."""
+    (``megatron_muon.newton_schulz.matmul_rates``), and the flag that runs it in fp32."""
     if torch.cuda.is_available() or int(os.environ.get("RANK", "0")) != 0:
         return
     if args.optimizer != "muon" or getattr(args, "muon_fp32_matmul_prec", None) != "medium":
         return
-    from megatron_muon.matmul_rates import bf16_is_slow, measure_matmul_rates, slow_bf16_message
+    from megatron_muon.newton_schulz.matmul_rates import (
+        bf16_is_slow,
+        measure_matmul_rates,
+        slow_bf16_message,
+    )
 
     rates = measure_matmul_rates()
     if bf16_is_slow(rates):

@@ -130,7 +130,7 @@ def _train(
 def _local_snapshot(wrapped, optimizers) -> dict:
     """This rank's params and optimizer state by name (local shards), and the group lrs."""
     from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     named = named_optimizer_params(wrapped)
     state = {}
@@ -150,7 +150,7 @@ def _local_snapshot(wrapped, optimizers) -> dict:
 def _full_snapshot(wrapped, optimizers) -> dict:
     """Params and optimizer state gathered to full tensors (true uneven row layouts)."""
     from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.layout import gather_row_layouts, local_tensor
+    from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
     named = named_optimizer_params(wrapped)
     layouts = gather_row_layouts([p for _, p in named], None)
@@ -181,7 +181,7 @@ def _dtype(strategy: str) -> torch.dtype:
 
 def _train_save_train(rank, world_size, strategy, path, k, n) -> dict:
     from megatron_muon.checkpointing import named_optimizer_params, save_checkpoint
-    from megatron_muon.layout import gather_row_layouts
+    from megatron_muon.sharded.layout import gather_row_layouts
 
     wrapped, optimizers, scheduler = _build(world_size, strategy)
     _train(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_muon.data import ByteTextDataset, load_text_splits, stdlib_source_files
+from megatron_muon.cli.data import ByteTextDataset, load_text_splits, stdlib_source_files
 
 
 def test_stdlib_sources_are_found_in_a_fixed_order():

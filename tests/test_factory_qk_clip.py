@@ -21,8 +21,8 @@ THRESHOLDS = {"gqa": 0.12, "mla": 0.09}
 
 
 def _qk_clip_parity(rank: int, world_size: int, attention: str) -> dict:
+    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
     from megatron_muon.integrations import local_core_attention
-    from megatron_muon.qk_clip import QKClip, find_attentions
 
     local_core_attention.patch()
     gpt_parity.init_megatron()

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_muon import matmul_rates, pretrain
-from megatron_muon.matmul_rates import bf16_is_slow, measure_matmul_rates, slow_bf16_message
+from megatron_muon import pretrain
+from megatron_muon.newton_schulz import matmul_rates
+from megatron_muon.newton_schulz.matmul_rates import (
+    bf16_is_slow,
+    measure_matmul_rates,
+    slow_bf16_message,
+)
 
 # A Zen 3 core (AVX2, no bf16 instructions) as measured: 84 GFLOP/s fp32, 1.0 GFLOP/s bf16.
 ZEN3 = {"fp32": 84e9, "bf16": 1.0e9}

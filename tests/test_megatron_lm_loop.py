@@ -340,7 +340,7 @@ def test_stock_adam_with_megatron_fsdp_is_unchanged_by_install() -> None:
 
 
 def test_only_megatron_fsdp_chunks_count_as_megatron_fsdp() -> None:
-    from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
+    from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 
     assert not uses_megatron_fsdp([torch.nn.Linear(4, 4)])
     assert not uses_megatron_fsdp(torch.nn.Linear(4, 4))

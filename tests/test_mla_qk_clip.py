@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from megatron_muon.qk_clip_rows import mla_kv_up_row_scales, mla_query_row_scales
+from megatron_muon.fsdp.qk_clip_rows import mla_kv_up_row_scales, mla_query_row_scales
 from tests.fsdp_models import fully_shard_attention
 from tests.harness import run_on_ranks
 
@@ -104,7 +104,7 @@ def _logits_from_inputs(attention, x: torch.Tensor, mask: torch.Tensor) -> torch
 def _clip_once(rank: int, world_size: int, q_lora_rank: int | None) -> dict:
     """One forward, a clip with tau between the 2nd and 3rd largest max logit, a re-forward; and
     megatron-core's ``clip_qk`` on a second copy of the layer from the same max logits."""
-    from megatron_muon.qk_clip import QKClip, find_attentions
+    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
 
     attention = _build_mla(q_lora_rank)
     assert find_attentions([attention]) == [attention]
@@ -193,7 +193,7 @@ def test_mla_clip_scales_q_nope_q_pe_and_k_nope_by_eta_powers(q_lora_rank) -> No
 def _negative_max_logits(rank: int, world_size: int) -> dict:
     """Max logits ``[-2, 0, 2 tau, -inf]`` (-inf: a head that saw no token) through our clip and
     megatron-core's."""
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     tau = 0.5
     maxima = torch.tensor([-2.0, 0.0, 2 * tau, float("-inf")])
@@ -229,7 +229,7 @@ def test_negative_and_missing_max_logits_leave_their_heads_untouched() -> None:
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     messages = []
     for setting in ("dsa", "cache_mla_latents"):
@@ -283,7 +283,7 @@ def _run_sharded(rank: int, world_size: int, tau: float, splits: dict[str, list[
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     attention = _build_mla(Q_LORA)
     x, mask = _inputs()
@@ -336,7 +336,7 @@ def test_row_shards_on_two_ranks_equal_the_unsharded_clip(splits) -> None:
 def _run_megatron_fsdp(rank: int, world_size: int, tau: float, strategy: str) -> dict:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from megatron_muon.qk_clip import QKClip, find_attentions
+    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
 
     attention = _build_mla(Q_LORA)
     wrapped = fully_shard_attention(attention, world_size, strategy, MLASelfAttention)
@@ -364,7 +364,7 @@ def test_megatron_fsdp_row_shards_equal_the_unsharded_clip(strategy: str) -> Non
 
 def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
     """TP = world size: rank r holds heads 2r, 2r+1 and their rows; the input is replicated."""
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     attention = _build_mla(Q_LORA, tp=world_size)
     clip = QKClip([attention], tau, alpha=ALPHA, tp_group=torch.distributed.group.WORLD)

@@ -10,8 +10,8 @@ import pytest
 
 
 def test_our_flags_reach_the_fsdp_config():
-    from megatron_muon.arguments import add_muon_args
-    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     parser = add_muon_args(argparse.ArgumentParser())
     default = MuonFsdpConfig.from_args(parser.parse_args([]))
@@ -44,8 +44,8 @@ def test_our_flags_reach_the_fsdp_config():
 
 
 def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():
-    from megatron_muon.arguments import add_muon_args
-    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     parser = argparse.ArgumentParser()  # Megatron-LM's three flags, as megatron.training has them
     parser.add_argument("--qk-clip", action="store_true")
@@ -61,8 +61,8 @@ def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():
 
 
 def test_qk_clip_alpha_is_megatrons_flag_checked_by_megatrons_rule_when_qk_clip_is_on():
-    from megatron_muon.arguments import add_muon_args, check_muon_args
-    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args, check_muon_args
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     ours = add_muon_args(argparse.ArgumentParser())
     assert ours.parse_args([]).qk_clip_alpha == 0.5  # Megatron-LM's default
@@ -76,8 +76,8 @@ def test_qk_clip_alpha_is_megatrons_flag_checked_by_megatrons_rule_when_qk_clip_
 
 
 def test_megatron_lm_integration_takes_over_qk_clip_for_muon_with_megatron_fsdp():
-    from megatron_muon.config import qk_clip_threshold
     from megatron_muon.integrations.megatron_lm_arguments import _take_over_qk_clip
+    from megatron_muon.sharded.config import qk_clip_threshold
 
     args = argparse.Namespace(qk_clip=True, qk_clip_threshold=20.0, qk_clip_alpha=0.5)
     _take_over_qk_clip(args)
@@ -90,7 +90,7 @@ def test_megatron_lm_integration_takes_over_qk_clip_for_muon_with_megatron_fsdp(
 
 
 def test_bad_config_values_are_refused_by_name():
-    from megatron_muon.config import MuonFsdpConfig
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     with pytest.raises(ValueError, match="'float32'"):
         MuonFsdpConfig(gram_half_dtype="float32")  # type: ignore[arg-type]  # a bad value on purpose

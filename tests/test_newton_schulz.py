@@ -15,8 +15,8 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_muon.gram_newton_schulz import default_gram_restarts, gram_newton_schulz
-from megatron_muon.newton_schulz import (
+from megatron_muon.newton_schulz.gram import default_gram_restarts, gram_newton_schulz
+from megatron_muon.newton_schulz.methods import (
     NSConfig,
     coefficient_schedule,
     ns_flops,

@@ -14,14 +14,15 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_muon.cost_model import (
+from megatron_muon.newton_schulz.cost_model import (
     long_dim,
     split_bounds,
     split_dim_of_pieces,
     split_ns_flops,
     split_pieces_flops,
 )
-from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.newton_schulz.methods import ns_flops
+from megatron_muon.newton_schulz.split import split_newton_schulz
 from megatron_muon.plan.__main__ import main as plan_main
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import (
@@ -33,13 +34,12 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
-from megatron_muon.planner import (
+from megatron_muon.sharded.planner import (
     OwnerPlan,
     plan_owners,
     plan_owners_by_bucket,
     plan_split_owners,
 )
-from megatron_muon.split_newton_schulz import split_newton_schulz
 from tests.harness import RankFailure, run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent

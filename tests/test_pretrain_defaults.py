@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_muon.pretrain_defaults import BYTE_DATA_FLAGS, CPU_FLAGS, default_flags
+from megatron_muon.cli.pretrain_defaults import BYTE_DATA_FLAGS, CPU_FLAGS, default_flags
 from tests.torchrun import REPO
 
 MODEL_AND_RUN_LENGTH = [
@@ -24,7 +24,7 @@ MODEL_AND_RUN_LENGTH = [
 def _defaults(
     flags: list[str], has_gpu: bool = False, has_te: bool = True
 ) -> list[tuple[str, ...]]:
-    from megatron_muon.pretrain_args import parser
+    from megatron_muon.cli.pretrain_args import parser
 
     return default_flags(parser(), flags, has_gpu=has_gpu, has_te=has_te)
 

@@ -267,7 +267,7 @@ def test_config_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path: Path)
     ],
 )
 def test_bad_muon_flag_values_are_refused_naming_the_flag(flags: str, message: str) -> None:
-    from megatron_muon.arguments import add_muon_args, check_muon_args
+    from megatron_muon.fsdp.arguments import add_muon_args, check_muon_args
 
     args = add_muon_args(argparse.ArgumentParser()).parse_args(flags.split())
     with pytest.raises(ValueError) as error:
@@ -279,7 +279,7 @@ def _loss_checks(rank: int, world_size: int) -> dict:
     from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
     from megatron.training.global_vars import set_args
 
-    from megatron_muon.pretrain_data import loss_func
+    from megatron_muon.cli.pretrain_data import loss_func
 
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     mask = torch.ones(2, 4)

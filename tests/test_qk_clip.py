@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from megatron_muon.qk_clip import head_clip_factors
-from megatron_muon.qk_clip_rows import qkv_row_scales
+from megatron_muon.fsdp.qk_clip import head_clip_factors
+from megatron_muon.fsdp.qk_clip_rows import qkv_row_scales
 from tests.fsdp_models import fully_shard_attention
 from tests.harness import run_on_ranks
 
@@ -138,7 +138,7 @@ def test_head_clip_factors() -> None:
 
 
 def _run_single(rank: int, world_size: int, num_query_groups: int) -> dict:
-    from megatron_muon.qk_clip import QKClip, find_attentions
+    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
 
     attention = _build_attention(num_query_groups)
     assert find_attentions([attention]) == [attention]
@@ -198,7 +198,7 @@ def _run_sharded(rank: int, world_size: int, splits: list[int], tau: float) -> d
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     attention = _build_attention(num_query_groups=2)
     x, mask = _inputs()
@@ -254,7 +254,7 @@ def _run_megatron_fsdp(rank: int, world_size: int, strategy: str, tau: float) ->
     """The layer wrapped by Megatron-FSDP; rank r forwards batch entries r::world_size."""
     from megatron.core.transformer.attention import SelfAttention
 
-    from megatron_muon.qk_clip import QKClip, find_attentions
+    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
 
     attention = _build_attention(num_query_groups=2)
     wrapped = fully_shard_attention(attention, world_size, strategy, SelfAttention)
@@ -292,7 +292,7 @@ def test_megatron_fsdp_row_shards_equal_unsharded(strategy: str) -> None:
 
 def _run_tensor_parallel(rank: int, world_size: int, tau: float) -> dict:
     """TP = world size: rank r holds query group r's heads and rows; the input is replicated."""
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     attention = _build_attention(num_query_groups=2, tp=world_size)
     initial = attention.linear_qkv.weight.detach().clone()
@@ -325,7 +325,7 @@ def test_tensor_parallel_heads_clip_their_own_rows() -> None:
 
 
 def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     attention = _build_attention(num_query_groups=2)
     attention.config.qk_layernorm = True
@@ -340,7 +340,7 @@ def _run_rejects_qk_layernorm(rank: int, world_size: int) -> str:
 def test_rejects_layers_with_qk_layernorm_and_bad_threshold() -> None:
     [message] = run_on_ranks(_run_rejects_qk_layernorm, 1)
     assert "QK layernorm" in message
-    from megatron_muon.qk_clip import QKClip
+    from megatron_muon.fsdp.qk_clip import QKClip
 
     with pytest.raises(ValueError, match="threshold"):
         QKClip([], 0.0)

@@ -70,7 +70,7 @@ def _set_sharded_grad(
 
 def _relative_errors(params, optimizer, reference_params, reference, row_starts) -> dict:
     """Max over params of ||mine - reference rows|| / ||reference full||, params and momentum."""
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     worst = {"param": 0.0, "momentum": 0.0}
     for p, ref, start in zip(params, reference_params, row_starts, strict=True):
@@ -171,7 +171,7 @@ def test_owner_and_gather_modes_give_the_same_params():
 def test_the_check_would_catch_newton_schulz_on_local_pieces():
     """NS on a rank's rows alone differs from NS on the full matrix far beyond the tolerance, so the
     parity tests above fail for an optimizer that orthogonalizes pieces."""
-    from megatron_muon.newton_schulz import NSConfig, scaled_orthogonalize
+    from megatron_muon.newton_schulz.methods import NSConfig, scaled_orthogonalize
 
     torch.set_float32_matmul_precision("highest")
     config = NSConfig()
@@ -224,7 +224,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
     from torch.distributed.tensor import DTensor
 
     from megatron_muon import ShardedMuon
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
     from tests.fsdp_models import ToyMLP, fully_shard_toy
 
     torch.manual_seed(0)
@@ -314,7 +314,7 @@ def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon import ShardedMuon
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     splits = _splits_for(world_size, "empty")

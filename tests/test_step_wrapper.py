@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multirank  # every test here launches ranks
 
 def _state_signature(optimizer) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(optimizer class, state keys, local shape of the first state tensor) per param, in order."""
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     signature = []
     for sub in optimizer.chained_optimizers:
@@ -39,8 +39,11 @@ def _wrapper_contract(rank: int, world_size: int) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_muon import build_muon_optimizer
-    from megatron_muon.layout import local_tensor
-    from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
+    from megatron_muon.common.megatron_fsdp_compat import (
+        megatron_fsdp_classes,
+        unwrap_megatron_fsdp,
+    )
+    from megatron_muon.sharded.layout import local_tensor
 
     gpt_parity.init_megatron()
     run = Run("mcore", "optim_grads_params")
@@ -189,7 +192,7 @@ def _bf16_steps(rank: int, world_size: int) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
     from megatron_muon import build_muon_optimizer
-    from megatron_muon.layout import local_tensor
+    from megatron_muon.sharded.layout import local_tensor
 
     gpt_parity.init_megatron()
     model = gpt_parity.build_gpt()

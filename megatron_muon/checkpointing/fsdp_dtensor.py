@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megatron_muon.checkpointing.optimizer_state import leaf_optimizers
-from megatron_muon.step_wrapper import unwrap_megatron_fsdp
+from megatron_muon.common.megatron_fsdp_compat import unwrap_megatron_fsdp
 
 __all__ = [
     "Inventory",

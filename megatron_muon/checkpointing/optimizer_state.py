@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.checkpointing.ranks import collective_device
-from megatron_muon.sharded_muon import ShardedMuon
+from megatron_muon.sharded.sharded_muon import ShardedMuon
 
 __all__ = [
     "create_state",

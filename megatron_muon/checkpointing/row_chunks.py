@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_muon.checkpointing.ranks import collective_device
-from megatron_muon.layout import fsdp_row_offset
+from megatron_muon.sharded.layout import fsdp_row_offset
 
 __all__ = ["attach_row_chunks"]
 

@@ -41,8 +41,8 @@ from megatron_muon.checkpointing.manifest import check_matches, manifest_body
 from megatron_muon.checkpointing.optimizer_state import ensure_optimizer_state
 from megatron_muon.checkpointing.ranks import agree, agree_on_ranks
 from megatron_muon.checkpointing.row_chunks import attach_row_chunks
-from megatron_muon.console import print_rank_0
-from megatron_muon.step_wrapper import unwrap_megatron_fsdp
+from megatron_muon.common.console import print_rank_0
+from megatron_muon.common.megatron_fsdp_compat import unwrap_megatron_fsdp
 
 __all__ = ["LoadedCheckpoint", "SavedCheckpoint", "load_checkpoint", "save_checkpoint"]
 

@@ -1,4 +1,5 @@
 """CPU stand-ins for the CUDA-only calls megatron-core and megatron_fsdp make.
+May import ``common`` only.
 
 This is the one place where the project substitutes anything in the libraries it stands on. It is
 used by the multi-rank tests and by the CPU (gloo) path of the pretrain entry point, and it is

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from megatron_muon.common.megatron_fsdp_compat import MEGATRON_FSDP_PACKAGES
 from megatron_muon.cpu_stand_ins._replace import (
     import_optional,
     replace_once,
     set_stand_in,
 )
-from megatron_muon.megatron_fsdp_compat import MEGATRON_FSDP_PACKAGES
 
 __all__ = ["patch"]
 

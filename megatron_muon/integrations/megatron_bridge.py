@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from megatron_muon.config import MuonFsdpConfig
+from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.integrations import megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
-from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.sharded.config import MuonFsdpConfig
 
 __all__ = [
     "MUON_OPTIMIZERS",
@@ -192,7 +192,7 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
         return optimizer
 
     def _muon(self, chunks: Sequence[Any], config_overrides: Any, pg_collection: Any) -> Any:
-        from megatron_muon.factory import build_muon_optimizer
+        from megatron_muon.fsdp.factory import build_muon_optimizer
 
         config = copy.copy(self)
         config.optimizer = "muon"

@@ -9,7 +9,8 @@ What ``install()`` patches, and why (four functions, each wrapped, none copied; 
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
 megatron-core fixes 6 and 7):
 
-1. ``megatron.training.arguments.parse_args``: our flags (``megatron_muon.arguments.add_muon_args``:
+1. ``megatron.training.arguments.parse_args``: our flags
+(``megatron_muon.fsdp.arguments.add_muon_args``:
    ``--muon-fsdp-mode`` and the rest) are chained after the caller's ``extra_args_provider``, so
    a script that passes its own provider, or none, gets them without a second edit.
 2. ``megatron.training.arguments.validate_args``: megatron-core 0.19.2 refuses Muon with
@@ -83,19 +84,19 @@ from typing import Any
 
 import torch
 
-from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
-from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
-from megatron_muon.integrations.checkpointed_optimizer import (
+from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
+from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
     extra_args_provider,
     muon_meets_megatron_fsdp,
     with_muon_args,
 )
-from megatron_muon.megatron_fsdp_compat import uses_megatron_fsdp
 
 __all__ = [
     "SUPPORTED_MEGATRON_CORE",
@@ -233,8 +234,8 @@ def _build_for_megatron_loop(
     ``MuonFsdpConfig.from_args`` (``--muon-fsdp-mode`` ..., QK-clip) and
     ``--check-for-nan-in-loss-and-grad`` (Megatron's default; off with its ``--no-`` form).
     """
-    from megatron_muon.config import MuonFsdpConfig
-    from megatron_muon.factory import build_muon_optimizer
+    from megatron_muon.fsdp.factory import build_muon_optimizer
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     args = megatron_args()
     return build_muon_optimizer(

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from megatron_muon.arguments import check_muon_args
+from megatron_muon.fsdp.arguments import check_muon_args
 
 __all__ = [
     "extra_args_provider",
@@ -34,7 +34,7 @@ __all__ = [
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser)."""
-    from megatron_muon.arguments import add_muon_args
+    from megatron_muon.fsdp.arguments import add_muon_args
 
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
@@ -113,10 +113,11 @@ def _take_over_qk_clip(args: argparse.Namespace) -> None:
     compute weights that the next ``install_optimized_model_weights`` overwrites from the main
     weights (the clip would be lost), and it needs TE >= 2.9 for the max logits (``validate_args``
     asserts it). So ``args.qk_clip`` is turned off here (Megatron's ``clip_qk`` then never runs,
-    nor its TE check) and ``args.muon_qk_clip`` on: ``megatron_muon.config.qk_clip_threshold``
+    nor its TE check) and ``args.muon_qk_clip`` on:
+    ``megatron_muon.sharded.config.qk_clip_threshold``
     reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold``, run by the step
     wrapper on the main weights' row shards before they are installed. ``--qk-clip-alpha`` is
-    not used (see ``megatron_muon.arguments``).
+    not used (see ``megatron_muon.fsdp.arguments``).
     """
     if getattr(args, "qk_clip", False):
         args.qk_clip = False

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import get_args
 
-from megatron_muon.newton_schulz import NSMethodT
+from megatron_muon.newton_schulz.methods import NSMethodT
 from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
 from megatron_muon.plan.report import analyze, format_report
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from megatron_muon.newton_schulz import NSMethodT
+from megatron_muon.newton_schulz.methods import NSMethodT
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import ModelSpec, Parallelism, muon_matrices
 from megatron_muon.plan.strategies import STRATEGIES, GroupCost, GroupInput, cost_of, plan_for

@@ -35,17 +35,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_muon.cost_model import (
+from megatron_muon.newton_schulz.cost_model import (
     pieces_flops,
     split_bounds,
     split_dim_of_pieces,
     split_ns_bytes,
 )
-from megatron_muon.layout import RowLayout
-from megatron_muon.newton_schulz import NSConfig, NSMethodT
+from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
 from megatron_muon.plan.models import Matrix
-from megatron_muon.planner import OwnerPlan
-from megatron_muon.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
+from megatron_muon.sharded.layout import RowLayout
+from megatron_muon.sharded.planner import OwnerPlan
+from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
 

@@ -43,8 +43,8 @@ def test_from_config_keeps_every_field_of_a_recipe_config_and_sets_ours() -> Non
 
 
 def test_qk_clip_set_on_both_model_and_muon_fsdp_is_refused() -> None:
-    from megatron_muon.config import MuonFsdpConfig
     from megatron_muon.integrations.megatron_bridge import _with_model_qk_clip
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     model = SimpleNamespace(qk_clip=True, qk_clip_threshold=50.0, qk_clip_alpha=0.3)
     taken = _with_model_qk_clip(MuonFsdpConfig(), model)

@@ -29,8 +29,8 @@ Choices and defaults come from the options' ``Literal`` aliases and ``MuonFsdpCo
 where a Muon run reads them (``megatron_muon.integrations.megatron_lm`` calls it from
 ``validate_args``) with the configs' own rules, with errors that name the flag.
 
-QK-clip (MuonClip, ``megatron_muon.qk_clip``) is switched on by a threshold, read with
-``megatron_muon.config.qk_clip_threshold(args)``:
+QK-clip (MuonClip, ``megatron_muon.fsdp.qk_clip``) is switched on by a threshold, read with
+``megatron_muon.sharded.config.qk_clip_threshold(args)``:
 
 - on a parser of our own, ``--qk-clip-threshold TAU`` (default None = off) is added here;
 - on Megatron-LM's parser, which already has ``--qk-clip`` (switch), ``--qk-clip-threshold``
@@ -48,20 +48,20 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from megatron_muon.config import (
-    DEFAULT_BUCKET_SIZE_BYTES,
-    DEFAULT_QK_CLIP_ALPHA,
-    MuonConfig,
-    MuonFsdpConfig,
-    qk_clip_threshold,
-)
-from megatron_muon.newton_schulz import NSConfig, NSMethodT
-from megatron_muon.options import (
+from megatron_muon.common.options import (
     FsdpModeT,
     GramHalfDtypeT,
     MuonScaleT,
     ScalarOptimizerT,
     TpModeT,
+)
+from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
+from megatron_muon.sharded.config import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_QK_CLIP_ALPHA,
+    MuonConfig,
+    MuonFsdpConfig,
+    qk_clip_threshold,
 )
 
 __all__ = ["add_muon_args", "check_muon_args"]

@@ -10,7 +10,8 @@ around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
 - AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else.
 
-Which param goes to which optimizer is ``megatron_muon.routing``'s (megatron-core's rules, plus the
+Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
+plus the
 learned position embedding to the scalar optimizer). Param groups (weight-decay and lr
 multipliers, decoupled lr) come from megatron-core's ``_get_param_groups`` with
 ``get_standard_config_overrides`` when ``config_overrides`` is None.
@@ -37,28 +38,28 @@ from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_muon.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
-from megatron_muon.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.console import print_rank_0
-from megatron_muon.integrations.checkpointed_optimizer import MegatronCheckpointedOptimizer
-from megatron_muon.megatron_fsdp_compat import megatron_fsdp_modules
-from megatron_muon.process_groups import (
+from megatron_muon.common.console import print_rank_0
+from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
+from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
+from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
+from megatron_muon.fsdp.process_groups import (
     describe_groups,
     resolve_pg_collection,
     row_group,
     strategy_name,
 )
-from megatron_muon.qk_clip import QKClip, find_attentions
-from megatron_muon.routing import (
+from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
+from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
     is_qkv,
     param_groups_by_optimizer,
     route_params,
 )
-from megatron_muon.sharded_muon import ShardedMuon
-from megatron_muon.step_wrapper import FsdpStepWrapper
+from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
+from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.sharded_muon import ShardedMuon
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 

@@ -48,13 +48,13 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import (
     newton_schulz,
 )
 
-from megatron_muon.gram_newton_schulz import (
+from megatron_muon.common.options import GramHalfDtypeT, MuonScaleT, check_choice
+from megatron_muon.newton_schulz.gram import (
     check_restarts,
     default_gram_restarts,
     gram_newton_schulz,
     gram_ns_flops,
 )
-from megatron_muon.options import GramHalfDtypeT, MuonScaleT, check_choice
 
 __all__ = [
     "NS_METHODS",

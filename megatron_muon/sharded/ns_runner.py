@@ -22,17 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_muon.cost_model import split_ns_flops
-from megatron_muon.exchange import ExchangeStats
-from megatron_muon.newton_schulz import NSConfig, orthogonalize_batch
-from megatron_muon.qkv import join_qkv, split_qkv
-from megatron_muon.split_newton_schulz import split_scaled_orthogonalize
-from megatron_muon.step_plan import MatrixPlan, NSMatrix
+from megatron_muon.newton_schulz.cost_model import split_ns_flops
+from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize_batch
+from megatron_muon.newton_schulz.split import split_scaled_orthogonalize
+from megatron_muon.sharded.exchange import ExchangeStats
+from megatron_muon.sharded.qkv import join_qkv, split_qkv
+from megatron_muon.sharded.step_plan import MatrixPlan, NSMatrix
 
 __all__ = ["NS_SCOPE", "NSRunner", "StepStats", "batch_pays"]
 
 # Profiler scope (``torch.profiler.record_function``) of every Newton-Schulz call of a step.
-NS_SCOPE = "megatron_muon.newton_schulz"
+NS_SCOPE = "megatron_muon.newton_schulz.methods"
 
 # Largest matrix (elements) whose same-shape NS jobs are batched on CPU: measured on one thread
 # (benchmarks.ns_batching, docs/benchmarks.md), batching pays 1.3-3x up to (128, 512), is even

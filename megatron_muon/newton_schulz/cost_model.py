@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_muon.newton_schulz import NSConfig
+from megatron_muon.newton_schulz.methods import NSConfig
 
 __all__ = [
     "long_dim",

@@ -8,7 +8,7 @@ max logit is negative or that saw no token): ``eta^alpha`` on the query side and
 ``eta^(1 - alpha)`` on the key side (``alpha``: ``--qk-clip-alpha``, default 0.5). Which rows those
 are for MHA/GQA ``SelfAttention`` (``linear_qkv``, bias included) and for Multi-Latent Attention
 (the query and ``linear_kv_up_proj`` up-projections; MLA's shared rotary key is left alone) is
-``megatron_muon.qk_clip_rows``; value rows are never touched.
+``megatron_muon.fsdp.qk_clip_rows``; value rows are never touched.
 
 Where the max logits come from: with TE's fused attention (TE >= 2.9, ``return_max_logit``) the core
 attention records ``current_max_attn_logits`` itself and that is read; otherwise a forward hook on
@@ -21,7 +21,8 @@ such layers, and MLA with DSA or ``cache_mla_latents``.
 Sharding. Under tensor parallelism each TP rank holds whole heads (whole query groups) and their
 rows, so the scales are TP-local; only the reported clipped-head count and max logit are
 reduced over the TP group (``tp_group``). Under Megatron-FSDP each data-parallel rank holds a
-contiguous row range ``[start, stop)`` of each matrix (``megatron_muon.layout``) and scales only
+contiguous row range ``[start, stop)`` of each matrix (``megatron_muon.sharded.layout``) and scales
+only
 its own rows with the matching slice of the per-row scales. The max logits are all-reduced (MAX)
 over the data-parallel group first, since its ranks saw different tokens and must agree on ``eta``.
 
@@ -44,8 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_muon.layout import gather_row_layouts, local_tensor
-from megatron_muon.qk_clip_rows import (
+from megatron_muon.fsdp.qk_clip_rows import (
     DEFAULT_ALPHA,
     HeadRows,
     check_clippable,
@@ -53,6 +53,7 @@ from megatron_muon.qk_clip_rows import (
     head_rows,
     softmax_scale,
 )
+from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
 __all__ = ["QKClip", "QKClipStats", "find_attentions", "head_clip_factors", "scale_local_rows_"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from megatron_muon.qk_clip import QKClip
-from megatron_muon.step_wrapper import FsdpStepWrapper
+from megatron_muon.fsdp.qk_clip import QKClip
+from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 
 __all__ = ["MegatronCheckpointedOptimizer", "megatron_args"]
 

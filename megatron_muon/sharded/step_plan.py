@@ -16,18 +16,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatron_muon.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
-from megatron_muon.newton_schulz import NSConfig
-from megatron_muon.planner import (
+from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
+from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.planner import (
     OwnerPlan,
     plan_owners,
     plan_owners_by_bucket,
     plan_split_owners,
 )
-from megatron_muon.qkv import qkv_pieces
+from megatron_muon.sharded.qkv import qkv_pieces
 
 if TYPE_CHECKING:
-    from megatron_muon.layout import RowLayout
+    from megatron_muon.sharded.layout import RowLayout
 
 __all__ = ["MatrixPlan", "NSMatrix", "StepPlan", "WorkBlock", "bucket_by_bytes", "plan_step"]
 

@@ -34,11 +34,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_muon.exchange import COLLECTIVE_SCOPE, OwnerExchange
-from megatron_muon.gather_exchange import GatherExchange
-from megatron_muon.ns_runner import NSRunner, StepStats
-from megatron_muon.options import FsdpModeT
-from megatron_muon.step_plan import MatrixPlan, StepPlan
+from megatron_muon.common.options import FsdpModeT
+from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE, OwnerExchange
+from megatron_muon.sharded.gather_exchange import GatherExchange
+from megatron_muon.sharded.ns_runner import NSRunner, StepStats
+from megatron_muon.sharded.step_plan import MatrixPlan, StepPlan
 
 __all__ = ["BucketRuntime", "create_split_groups"]
 

@@ -1,6 +1,6 @@
 """Which weight rows carry each attention head's queries and keys, and QK-clip's scale for each row.
 
-QK-clip (``megatron_muon.qk_clip``) multiplies head ``h``'s pre-softmax logits by
+QK-clip (``megatron_muon.fsdp.qk_clip``) multiplies head ``h``'s pre-softmax logits by
 ``eta_h <= 1``, split between the query side (``eta^alpha``) and the key side
 (``eta^(1 - alpha)``); ``alpha`` is Megatron's ``--qk-clip-alpha`` (default 0.5). This module
 knows, per megatron-core attention kind, the (tensor-parallel-local) matrices whose rows to scale:
@@ -38,7 +38,7 @@ import torch
 from megatron.core.transformer.attention import Attention, SelfAttention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from megatron_muon.config import DEFAULT_QK_CLIP_ALPHA as DEFAULT_ALPHA
+from megatron_muon.sharded.config import DEFAULT_QK_CLIP_ALPHA as DEFAULT_ALPHA
 
 __all__ = [
     "HeadRows",

@@ -1,7 +1,7 @@
 """The pretrain entry point's command line: its own flags, its parser and ``--config`` YAML files.
 
 ``python -m megatron_muon.pretrain`` parses Megatron-LM's flags (``megatron.training.arguments``),
-megatron-muon's (``megatron_muon.arguments``) and the few of its own added here (``--config``,
+megatron-muon's (``megatron_muon.fsdp.arguments``) and the few of its own added here (``--config``,
 ``--text-path``, ``--log-json``, ``--plot``, ``--no-use-megatron-fsdp``). ``--config`` names a YAML
 file of Megatron flag names, applied before the command line, which wins.
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_muon.pretrain_defaults import add_opt_out_flags
+from megatron_muon.cli.pretrain_defaults import add_opt_out_flags
 
 __all__ = ["add_pretrain_args", "parser", "config_flags", "config_path"]
 
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     """Megatron's parser with megatron-muon's and this entry point's flags (as the run parses)."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_muon.arguments import add_muon_args
+    from megatron_muon.fsdp.arguments import add_muon_args
 
     megatron = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     return add_pretrain_args(add_muon_args(megatron))

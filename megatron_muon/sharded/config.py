@@ -8,13 +8,14 @@ Two frozen dataclasses, one per concern, each the single validator of its fields
   ``TensorParallelMuon``'s constructor arguments of the same names (which ``ShardedMuon`` takes).
 - ``MuonFsdpConfig``: what only megatron-muon has (where Newton-Schulz runs on Megatron-FSDP's row
   shards, exchange bucketing, NS method, momentum offload), one field per ``ShardedMuon`` keyword
-  and per ``megatron_muon.arguments`` flag (``--muon-fsdp-mode`` ...), plus QK-clip's threshold
+  and per ``megatron_muon.fsdp.arguments`` flag (``--muon-fsdp-mode`` ...), plus QK-clip's threshold
   (``--qk-clip-threshold``; the factory builds a ``QKClip`` that the step wrapper runs), read from
   parsed flags with ``MuonFsdpConfig.from_args(args)``.
 
 The Newton-Schulz fields of both (steps, scale mode, NS method, Gram settings) are checked by
 ``newton_schulz.NSConfig``; the allowed values of every string option are the ``Literal`` aliases
-of ``megatron_muon.options`` (and the NS-method registry). ``ShardedMuon`` builds all three from its
+of ``megatron_muon.common.options`` (and the NS-method registry). ``ShardedMuon`` builds all three
+from its
 keywords, so a bad value is refused by the same code whichever way it comes in. Learning rate,
 weight decay, Adam/Lion betas, clipping and precision stay in ``OptimizerConfig``.
 """
@@ -25,8 +26,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_muon.newton_schulz import NSConfig, NSMethodT
-from megatron_muon.options import (
+from megatron_muon.common.options import (
     FsdpModeT,
     GramHalfDtypeT,
     MuonScaleT,
@@ -34,6 +34,7 @@ from megatron_muon.options import (
     TpModeT,
     check_choice,
 )
+from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
 
 __all__ = [
     "DEFAULT_BUCKET_SIZE_BYTES",
@@ -50,7 +51,7 @@ DEFAULT_BUCKET_SIZE_BYTES = 16 * 2**20
 # megatron-core's TransformerConfig.qk_clip_alpha and Megatron-LM's --qk-clip-alpha default.
 DEFAULT_QK_CLIP_ALPHA = 0.5
 
-# ``MuonFsdpConfig`` field <- the ``megatron_muon.arguments`` flag's attribute on parsed args.
+# ``MuonFsdpConfig`` field <- the ``megatron_muon.fsdp.arguments`` flag's attribute on parsed args.
 _FLAG_ATTRIBUTES = {
     "mode": "muon_fsdp_mode",
     "ns_method": "muon_ns_method",
@@ -139,7 +140,8 @@ class MuonFsdpConfig:
         offload_momentum: keep Muon momentum in CPU memory between steps.
         overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (two buckets'
             full matrices held at once instead of one; bitwise the same updates).
-        qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.qk_clip.QKClip``) applied to every
+        qk_clip_threshold: MuonClip's ``tau`` (``megatron_muon.fsdp.qk_clip.QKClip``) applied to
+        every
             megatron-core ``SelfAttention`` and ``MultiLatentAttention`` of the model after each
             step; None = off. Not a
             ``ShardedMuon`` keyword: the factory builds the ``QKClip`` and the step wrapper runs it.
@@ -177,7 +179,7 @@ class MuonFsdpConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> MuonFsdpConfig:
-        """From parsed ``megatron_muon.arguments`` flags (the field's default where a flag is
+        """From parsed ``megatron_muon.fsdp.arguments`` flags (the field's default where a flag is
         absent).
 
         Raises:
@@ -218,7 +220,7 @@ def qk_clip_threshold(args: argparse.Namespace) -> float | None:
     Megatron-LM's arguments (they have ``--qk-clip``, a switch, and ``--qk-clip-threshold``,
     default 100): ``args.qk_clip_threshold`` if ``--qk-clip`` was given (or taken over by
     ``megatron_muon.integrations.megatron_lm`` as ``args.muon_qk_clip``), else None. Ours
-    (``megatron_muon.arguments``): ``--qk-clip-threshold`` as given (None = off). The value is
+    (``megatron_muon.fsdp.arguments``): ``--qk-clip-threshold`` as given (None = off). The value is
     checked by ``MuonFsdpConfig``.
     """
     if hasattr(args, "qk_clip") and not (args.qk_clip or getattr(args, "muon_qk_clip", False)):

@@ -33,17 +33,17 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.config import DEFAULT_BUCKET_SIZE_BYTES, MuonConfig, MuonFsdpConfig
-from megatron_muon.layout import check_same_params, gather_row_layouts, local_tensor
-from megatron_muon.momentum_offload import MomentumOffload
-from megatron_muon.newton_schulz import NSCoeffT, NSConfig, NSMethodT, ns_flops
-from megatron_muon.ns_runner import NSRunner, StepStats
-from megatron_muon.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
-from megatron_muon.owner_pipeline import BucketRuntime
-from megatron_muon.planner import OwnerPlan
-from megatron_muon.qkv import qkv_split_shapes
-from megatron_muon.step_plan import NSMatrix, StepPlan, plan_step
-from megatron_muon.tensor_parallel import (
+from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
+from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT, ns_flops
+from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES, MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, local_tensor
+from megatron_muon.sharded.momentum_offload import MomentumOffload
+from megatron_muon.sharded.ns_runner import NSRunner, StepStats
+from megatron_muon.sharded.owner_pipeline import BucketRuntime
+from megatron_muon.sharded.planner import OwnerPlan
+from megatron_muon.sharded.qkv import qkv_split_shapes
+from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
+from megatron_muon.sharded.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
     needs_tp_collectives,

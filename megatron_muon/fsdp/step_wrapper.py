@@ -5,8 +5,8 @@ sharded over data-parallel ranks under optim/optim_grads/optim_grads_params) and
 the forward pass reads. An optimizer step on it is:
 
 1. the reduced gradients attached to the optimizer params, reduced exactly once
-   (``megatron_muon.grad_sync.finish_grad_sync_once``): ``finish_grad_sync()`` alone is right only
-   when the backward's reduction matches ``overlap_grad_reduce``, so the wrapper reads from
+   (``megatron_muon.fsdp.grad_sync.finish_grad_sync_once``): ``finish_grad_sync()`` alone is right
+   only when the backward's reduction matches ``overlap_grad_reduce``, so the wrapper reads from
    Megatron-FSDP's own bookkeeping whether the last backward reduced and launches, waits for or
    runs the one reduction. Inside Megatron-LM's loop ``finalize_model_grads`` has already called
    ``finish_grad_sync()``: ``grads_already_synced=True`` says so, and ``step()`` then refuses to run
@@ -14,7 +14,7 @@ the forward pass reads. An optimizer step on it is:
 2. the inner step: grad norm over all shards, clipping, every sub-optimizer;
 3. QK-clip (MuonClip), when a ``QKClip`` is given: the query/key rows of heads whose logits
    exceeded the threshold are scaled on the optimizer params' row shards, after the update and
-   before step 4 copies them into the compute weights (``megatron_muon.qk_clip``);
+   before step 4 copies them into the compute weights (``megatron_muon.fsdp.qk_clip``);
 4. the new main weights copied into the compute weights, ``install_optimized_model_weights()``,
    and the params re-synced with ``start_param_sync()`` (as megatron-core's DistributedOptimizer
    does for Megatron-FSDP), once per ``MegatronFSDP``.
@@ -39,7 +39,8 @@ into the accumulated buffer, so gradient accumulation needs it False; together w
 wrapper refuses that module (``grad_sync.check_sync_settings``).
 
 ``MegatronFSDP`` modules are recognised by ``isinstance`` against both copies of the class and
-megatron-core's ``FullyShardedDataParallel`` wrapper (``megatron_muon.megatron_fsdp_compat``).
+megatron-core's ``FullyShardedDataParallel`` wrapper
+(``megatron_muon.common.megatron_fsdp_compat``).
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ from typing import Any
 import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
-from megatron_muon.console import print_rank_0
-from megatron_muon.grad_sync import (
+from megatron_muon.common.console import print_rank_0
+from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
+from megatron_muon.fsdp.grad_sync import (
     check_sync_settings,
     finish_grad_sync_once,
     prepare_next_backwards,
 )
-from megatron_muon.layout import local_tensor
-from megatron_muon.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
-from megatron_muon.qk_clip import QKClip, QKClipStats
+from megatron_muon.fsdp.qk_clip import QKClip, QKClipStats
+from megatron_muon.sharded.layout import local_tensor
 
 # megatron_fsdp_classes and unwrap_megatron_fsdp are defined in megatron_fsdp_compat; importable
 # from here too, where the factory and the checkpointing took them from.

@@ -28,7 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_muon.cost_model import split_dim_of_pieces, split_ns_bytes, split_pieces_flops
+from megatron_muon.newton_schulz.cost_model import (
+    split_dim_of_pieces,
+    split_ns_bytes,
+    split_pieces_flops,
+)
 
 __all__ = ["OwnerPlan", "plan_owners", "plan_owners_by_bucket", "plan_split_owners"]
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_muon.options import GramHalfDtypeT
+from megatron_muon.common.options import GramHalfDtypeT
 
 __all__ = ["check_restarts", "default_gram_restarts", "gram_newton_schulz", "gram_ns_flops"]
 

@@ -1,6 +1,7 @@
 """The pretrain entry point's data and forward step, as Megatron-LM's ``pretrain_gpt.py`` has them.
 
-- ``datasets_provider``: the embedded byte-level text (``megatron_muon.data``; ``--text-path`` for
+- ``datasets_provider``: the embedded byte-level text (``megatron_muon.cli.data``; ``--text-path``
+for
   a file of the user's), or Megatron's datasets (``--mock-data``, or indexed ``--data-path``).
 - ``get_batch``: TP rank 0 reads each micro-batch, megatron-core's ``get_batch_on_this_tp_rank``
   broadcasts it over the tensor-parallel group.
@@ -34,7 +35,7 @@ def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -
     from megatron.training import get_args, print_rank_0
     from megatron.training.utils import get_blend_and_blend_per_split
 
-    from megatron_muon.data import ByteTextDataset, load_text_splits
+    from megatron_muon.cli.data import ByteTextDataset, load_text_splits
 
     args = get_args()
     if _uses_byte_data(args):

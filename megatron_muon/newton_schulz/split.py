@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import NSCoeffT
 
-from megatron_muon.cost_model import long_dim, split_bounds
-from megatron_muon.newton_schulz import NSConfig, coefficient_schedule
+from megatron_muon.newton_schulz.cost_model import long_dim, split_bounds
+from megatron_muon.newton_schulz.methods import NSConfig, coefficient_schedule
 
 __all__ = ["split_newton_schulz", "split_scaled_orthogonalize"]
 
