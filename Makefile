@@ -75,13 +75,15 @@ gpu-wheels:
 
 # ruff (lint and format) on all code, mypy on the package ([tool.mypy] in pyproject.toml), then the
 # size limits (module <= 400 lines, class <= 300) and `type: ignore[code]  # reason`
-# (scripts/check_code_shape.py).
+# (scripts/check_code_shape.py), then that the subpackages import each other one way
+# (scripts/check_import_layers.py; docs/architecture.md).
 LINTED := megatron_muon tests benchmarks examples scripts
 lint: venv
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m mypy
 	$(PY) scripts/check_code_shape.py megatron_muon
+	$(PY) scripts/check_import_layers.py megatron_muon
 
 clean:
 	rm -rf .venv .venv-oldest .venv-torch-2.11 .venv-bridge bench_out demo_out
