@@ -18,13 +18,11 @@ Megatron-Bridge 0.6.2 by turning it off and watching the failure:
 
 from __future__ import annotations
 
-import functools
 import importlib
-from typing import Any
 
 from megatron_muon.cpu_stand_ins import device_redirect
 from megatron_muon.cpu_stand_ins._replace import replace_once
-from megatron_muon.cpu_stand_ins.training_loop import install_cpu_rng_tracker
+from megatron_muon.cpu_stand_ins.training_loop import allowing_no_cuda, seeding_cpu_tracker
 
 __all__ = ["BRIDGE_REDIRECT_MODULES", "patch"]
 
@@ -42,29 +40,10 @@ def patch() -> None:
     device_redirect.add_redirect_modules(BRIDGE_REDIRECT_MODULES)
     device_redirect.redirect_module_devices()
     initialize = importlib.import_module("megatron.bridge.training.initialize")
-
-    def make_initialize(original: Any) -> Any:
-        @functools.wraps(original)
-        def initialize_without_cuda(*args: Any, **kwargs: Any) -> Any:
-            kwargs["allow_no_cuda"] = True
-            return original(*args, **kwargs)
-
-        return initialize_without_cuda
-
     replace_once(
         initialize,
         "initialize_megatron",
-        make_initialize,
+        allowing_no_cuda,
         also_in=["megatron.bridge.training.setup"],
     )
-
-    def make_seed(original: Any) -> Any:
-        @functools.wraps(original)
-        def seed_with_cpu_tracker(seed: int, *args: Any, **kwargs: Any) -> Any:
-            result = original(seed, *args, **kwargs)
-            install_cpu_rng_tracker(seed)
-            return result
-
-        return seed_with_cpu_tracker
-
-    replace_once(initialize, "_set_random_seed", make_seed)
+    replace_once(initialize, "_set_random_seed", seeding_cpu_tracker)

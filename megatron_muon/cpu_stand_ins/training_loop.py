@@ -80,17 +80,8 @@ def _patch_training_initialize() -> None:
     """``initialize_megatron``: allow no CUDA; count one device while creating groups; CPU RNG."""
     initialize = importlib.import_module("megatron.training.initialize")
     importlib.import_module("megatron.training.training")
-
-    def make_initialize(original: Any) -> Any:
-        @functools.wraps(original)
-        def initialize_without_cuda(*args: Any, **kwargs: Any) -> Any:
-            kwargs["allow_no_cuda"] = True
-            return original(*args, **kwargs)
-
-        return initialize_without_cuda
-
     replace_once(
-        initialize, "initialize_megatron", make_initialize, also_in=["megatron.training.training"]
+        initialize, "initialize_megatron", allowing_no_cuda, also_in=["megatron.training.training"]
     )
 
     def make_distributed(original: Any) -> Any:
@@ -110,18 +101,34 @@ def _patch_training_initialize() -> None:
 
     replace_once(initialize, "_initialize_distributed", make_distributed)
 
-    def make_seed(original: Any) -> Any:
-        @functools.wraps(original)
-        def seed_with_cpu_tracker(seed: int, *args: Any, **kwargs: Any) -> Any:
-            # The CPU seeds are set by the original; with no GPU counted it skips the CUDA
-            # tracker, which model code forks and checkpoints save: the CPU tracker instead.
-            result = original(seed, *args, **kwargs)
-            install_cpu_rng_tracker(seed)
-            return result
+    replace_once(initialize, "_set_random_seed", seeding_cpu_tracker)
 
-        return seed_with_cpu_tracker
 
-    replace_once(initialize, "_set_random_seed", make_seed)
+def allowing_no_cuda(initialize_megatron: Any) -> Any:
+    """``initialize_megatron`` called with ``allow_no_cuda=True`` (Megatron-LM's and Bridge's)."""
+
+    @functools.wraps(initialize_megatron)
+    def initialize_without_cuda(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return initialize_without_cuda
+
+
+def seeding_cpu_tracker(set_random_seed: Any) -> Any:
+    """``_set_random_seed`` (Megatron-LM's and Bridge's), then the CPU RNG tracker for its seed.
+
+    The CPU seeds are set by the original; with no GPU counted it skips the CUDA tracker, which
+    model code forks and checkpoints save: the CPU tracker instead.
+    """
+
+    @functools.wraps(set_random_seed)
+    def seed_with_cpu_tracker(seed: int, *args: Any, **kwargs: Any) -> Any:
+        result = set_random_seed(seed, *args, **kwargs)
+        install_cpu_rng_tracker(seed)
+        return result
+
+    return seed_with_cpu_tracker
 
 
 def _patch_data_loader_generator() -> None:

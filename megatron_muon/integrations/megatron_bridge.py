@@ -172,22 +172,13 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
     ) -> Any:
         """The optimizer Bridge's ``setup_optimizer`` asks for (Bridge's extension point)."""
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
-        if not uses_megatron_fsdp(chunks):
-            return self._bridge_default(
-                chunks, config_overrides, use_gloo_process_groups, pg_collection
-            )
-        if self.optimizer in MUON_OPTIMIZERS:
+        fsdp = uses_megatron_fsdp(chunks)
+        if fsdp and self.optimizer in MUON_OPTIMIZERS:
             return self._muon(chunks, config_overrides, pg_collection)
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        optimizer = get_megatron_optimizer(
-            config=self,
-            model_chunks=chunks,
-            config_overrides=config_overrides,
-            use_gloo_process_groups=use_gloo_process_groups,
-            pg_collection=pg_collection,
+        optimizer = self._bridge_default(
+            chunks, config_overrides, use_gloo_process_groups, pg_collection
         )
-        if self.optimizer == "adam":
+        if fsdp and self.optimizer == "adam":
             make_adam_state_rank_symmetric(optimizer)
         return optimizer
 
@@ -215,7 +206,8 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
         self, chunks: Any, config_overrides: Any, use_gloo_process_groups: bool, pg_collection: Any
     ) -> Any:
         """What Bridge's ``setup_optimizer`` builds for a config without ``provide``."""
-        from megatron.core.optimizer import get_megatron_muon_optimizer, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer.muon import get_megatron_muon_optimizer
 
         kwargs = dict(
             config=self,

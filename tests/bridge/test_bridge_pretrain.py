@@ -7,7 +7,7 @@ them in ``.venv-bridge`` (``scripts/setup_bridge_venv.sh``); elsewhere they are 
 
 Tolerances: Newton-Schulz runs with fp32 "highest" matmuls on both sides, so DP=2 differs from
 DP=1 only by reduction order (the gradient reduce over 2 ranks, the loss averaged over 2 x 2
-micro-batches instead of 4): relative 1e-5, measured <= 3e-7. A resumed run, and Adam with and
+micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6. A resumed run, and Adam with and
 without the integration, compute the same operations in the same order: bitwise.
 """
 
@@ -82,10 +82,14 @@ def uninterrupted_run() -> MegatronRun:
 
 
 def assert_close_steps(actual: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
+    """Every iteration's loss and grad norm within ``DP_RTOL``; prints the worst (``-s``)."""
     assert [s["iteration"] for s in actual] == [s["iteration"] for s in expected]
+    worst = 0.0
     for got, want in zip(actual, expected, strict=True):
         for key in ("lm loss", "grad norm"):
             assert math.isclose(got[key], want[key], rel_tol=DP_RTOL), (got, want)
+            worst = max(worst, abs(got[key] - want[key]) / abs(want[key]))
+    print(f"worst relative difference {worst:.2e}; steps {json.dumps(actual)}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
