@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV_BRIDGE:-.venv-bridge}
 
 source scripts/find_python.sh
-stamp_key=$(cat pyproject.toml constraints.txt constraints-bridge.txt "$0" | sha256sum | cut -c1-16)
+# $PWD too: the .pth line below names this checkout's tests/bridge by its absolute path.
+stamp_key=$( (cat pyproject.toml constraints.txt constraints-bridge.txt "$0"; echo "$PWD") | sha256sum | cut -c1-16)
 stamp="$VENV/.installed-$stamp_key"
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ]; then
   exit 0
