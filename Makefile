@@ -39,10 +39,11 @@ test-oldest:
 test-torch-2.11:
 	@VENV_OLDEST=.venv-torch-2.11 TORCH_VERSION=2.11.0 bash scripts/test_oldest.sh
 
-# Megatron-Bridge's pretrain with megatron_muon.integrations.megatron_bridge (tests/bridge/), in its
-# own .venv-bridge with Bridge pinned exactly (constraints-bridge.txt; scripts/setup_bridge_venv.sh
-# says what it installs and why; docs/megatron_bridge.md). Elsewhere these tests are skipped.
-test-bridge:
+# Megatron-Bridge's pretrain with megatron_muon.integrations.megatron_bridge (tests/bridge/), in
+# .venv-bridge: Bridge pinned exactly (constraints-bridge.txt) on top of .venv's stack
+# (scripts/setup_bridge_venv.sh says what it installs and why; docs/megatron_bridge.md). Elsewhere
+# these tests are skipped.
+test-bridge: venv
 	@bash scripts/setup_bridge_venv.sh
 	.venv-bridge/bin/python -m pytest tests/bridge -p no:cacheprovider $(PYTEST_ARGS)
 
