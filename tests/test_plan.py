@@ -34,12 +34,8 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
-from megatron_muon.sharded.planner import (
-    OwnerPlan,
-    plan_owners,
-    plan_owners_by_bucket,
-    plan_split_owners,
-)
+from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.sharded.step_plan import bucket_by_bytes, bucket_by_owner_rounds
 from tests.harness import RankFailure, run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,24 +121,48 @@ def test_plan_max_load_is_within_four_thirds_of_the_brute_force_optimum():
         assert max(split.loads) <= max(owners.loads)  # splitting never makes the plan worse
 
 
-def test_bucketed_plan_balances_every_bucket_and_spreads_small_buckets():
-    # Two buckets of [big, small, small]: the whole-step LPT gives both big matrices to different
-    # ranks and leaves each bucket lopsided; per bucket, each bucket is split evenly.
-    costs = [4, 2, 2, 4, 2, 2]
-    buckets = [[0, 1, 2], [3, 4, 5]]
-    whole = plan_owners(costs, 2)
-    bucketed = plan_owners_by_bucket(costs, 2, buckets)
-    for bucket in buckets:
-        loads = [sum(costs[i] for i in bucket if bucketed.owners[i] == r) for r in range(2)]
-        assert loads == [4, 4]
-    assert max(whole.loads) == max(bucketed.loads) == 8
-    whole_bucket_loads = [
-        [sum(costs[i] for i in b if whole.owners[i] == r) for r in range(2)] for b in buckets
+def _bucket_loads(buckets, owners, values, group_size: int) -> list[list[int]]:
+    return [
+        [sum(values[i] for i in b if owners[i] == r) for r in range(group_size)] for b in buckets
     ]
-    assert any(max(loads) > 4 for loads in whole_bucket_loads)
-    # Buckets of one matrix each on 4 ranks: each goes to a rank that had nothing yet.
-    single = plan_owners_by_bucket([1, 1, 1, 1], 4, [[0], [1], [2], [3]])
-    assert sorted(single.owners) == [0, 1, 2, 3]
+
+
+def test_owner_buckets_split_every_bucket_evenly_within_the_bound_per_rank():
+    # The bench GPT's layers: QKV (three 512x512 NS pieces, 3 MiB), proj (1 MiB), fc1 and fc2
+    # (4 MiB each), 8 layers. The ranks meet at every bucket's exchange: consecutive 16 MiB
+    # buckets leave some lopsided (a rank waits); rounds of the owners' queues do not.
+    mib = 2**20
+    small = ns_flops(512, 512, 5)
+    layer = [(3 * small, 3 * mib), (small, mib), (ns_flops(2048, 512, 5), 4 * mib)]
+    layer.append(layer[-1])
+    costs = [cost for cost, _ in layer] * 8
+    sizes = [size for _, size in layer] * 8
+    bound = 16 * mib
+    for group_size in (2, 4):
+        owners = plan_owners(costs, group_size).owners
+        rounds = bucket_by_owner_rounds(owners, costs, sizes, bound)
+        assert sorted(i for b in rounds for i in b) == list(range(len(costs)))
+        assert all(b == sorted(b) for b in rounds)
+        for loads in _bucket_loads(rounds, owners, costs, group_size):
+            assert len(set(loads)) == 1  # every rank the same NS in every bucket
+        assert max(map(max, _bucket_loads(rounds, owners, sizes, group_size))) <= bound
+        consecutive = bucket_by_bytes(sizes, bound)
+        lopsided = [max(x) - min(x) for x in _bucket_loads(consecutive, owners, costs, group_size)]
+        assert max(lopsided) >= small  # what the rounds avoid
+        assert len(rounds) < len(consecutive)  # fewer meetings, the bound held per rank
+
+
+def test_owner_buckets_orthogonalize_matrices_over_the_bound_on_every_rank_at_once():
+    # Matrices each larger than the bound: one per rank per bucket (consecutive buckets would
+    # hold one matrix each, so all but one rank would wait through every NS).
+    costs, sizes = [5, 5, 5, 5, 5, 5, 5, 5], [10] * 8
+    owners = plan_owners(costs, 4).owners
+    rounds = bucket_by_owner_rounds(owners, costs, sizes, 4)
+    assert len(rounds) == 2
+    for bucket in rounds:
+        assert sorted(owners[i] for i in bucket) == [0, 1, 2, 3]
+    assert bucket_by_owner_rounds(owners, costs, sizes, None) == [list(range(8))]
+    assert bucket_by_owner_rounds((), [], [], 4) == []
 
 
 def test_split_plan_balances_when_one_matrix_dominates():

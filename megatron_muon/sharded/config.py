@@ -131,8 +131,8 @@ class MuonFsdpConfig:
     Attributes:
         mode: ``"owner"``: each full matrix is orthogonalized once, on one owner rank of the
             data-parallel group; ``"gather"``: every rank gathers and orthogonalizes every matrix.
-        bucket_size_bytes: bound on the fp32 full matrices held at once (the owner step's peak
-            extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
+        bucket_size_bytes: bound on the fp32 full matrices one rank holds at once (the owner
+            step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
         ns_method: ``"standard"`` Newton-Schulz or ``"gram"`` (Gram Newton-Schulz).
         gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``
             (``"float16"`` or ``"bfloat16"``; fp32 under "high"/"highest").

@@ -4,8 +4,8 @@ Pure functions of the matrices' shapes and the group size, so every rank (and ev
 same matrices) computes the identical plan without communicating.
 
 - ``plan_owners``: one owner per matrix, largest NS cost first onto the least-loaded rank (LPT
-  scheduling; within 4/3 of the optimum makespan), ties broken by matrix index then rank;
-  ``plan_owners_by_bucket``: the same within each exchange bucket.
+  scheduling; within 4/3 of the optimum makespan), ties broken by matrix index then rank (the
+  exchange buckets are rounds of each owner's matrices: ``step_plan.bucket_by_owner_rounds``).
 - ``plan_split_owners``: the same, and where one owner per matrix cannot balance the ranks (ranks
   outnumber matrices, or one matrix's NS exceeds a rank's fair share) the largest matrices' NS is
   split over an aligned block of 2, 4, ... ranks (``split_newton_schulz``), exact to the full
@@ -34,7 +34,7 @@ from megatron_muon.newton_schulz.cost_model import (
     split_pieces_flops,
 )
 
-__all__ = ["OwnerPlan", "plan_owners", "plan_owners_by_bucket", "plan_split_owners"]
+__all__ = ["OwnerPlan", "plan_owners", "plan_split_owners"]
 
 # Target shares tried: T, T/2, ... (finer ones let big matrices split further than small ones).
 _GRANULARITIES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -80,17 +80,12 @@ class OwnerPlan:
         return [i for i in range(len(self.owners)) if self.split_size(i) > 1]
 
 
-def plan_owners(
-    costs: Sequence[int], group_size: int, *, prior_loads: Sequence[int] | None = None
-) -> OwnerPlan:
+def plan_owners(costs: Sequence[int], group_size: int) -> OwnerPlan:
     """Assigns each matrix to one owner rank, largest cost first onto the least-loaded rank.
 
     Args:
         costs: NS cost (e.g. ``ns_flops``) of each matrix, in the optimizer's fixed param order.
         group_size: number of ranks in the data-parallel group.
-        prior_loads: each rank's load from earlier work (earlier exchange buckets): among ranks
-            equally loaded by ``costs``, the one with the least prior load is chosen (so that
-            matrices fewer than the ranks go to ranks that had less to do). ``None``: zeros.
 
     Returns:
         The plan (``loads``: of ``costs`` only); identical on every rank given identical
@@ -98,41 +93,16 @@ def plan_owners(
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
-    prior = list(prior_loads) if prior_loads is not None else [0] * group_size
-    if len(prior) != group_size:
-        raise ValueError(f"prior_loads has {len(prior)} entries for {group_size} ranks")
     owners = [0] * len(costs)
-    heap = [(0, prior[rank], rank) for rank in range(group_size)]
+    heap = [(0, rank) for rank in range(group_size)]
     heapq.heapify(heap)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, before, rank = heapq.heappop(heap)
+        load, rank = heapq.heappop(heap)
         owners[index] = rank
-        heapq.heappush(heap, (load + costs[index], before, rank))
+        heapq.heappush(heap, (load + costs[index], rank))
     loads = [0] * group_size
     for index, owner in enumerate(owners):
         loads[owner] += costs[index]
-    return OwnerPlan(owners=tuple(owners), loads=tuple(loads))
-
-
-def plan_owners_by_bucket(
-    costs: Sequence[int], group_size: int, buckets: Sequence[Sequence[int]]
-) -> OwnerPlan:
-    """``plan_owners`` of each bucket on its own, ties going to the ranks with the least load from
-    the earlier buckets: every bucket's NS is balanced over the ranks (which wait for each other
-    at each bucket's exchange), and the whole step's too.
-
-    Args:
-        costs: NS cost of each matrix.
-        group_size: number of ranks in the data-parallel group.
-        buckets: indices into ``costs`` of each bucket (every index exactly once).
-    """
-    owners = [0] * len(costs)
-    loads = [0] * group_size
-    for bucket in buckets:
-        plan = plan_owners([costs[i] for i in bucket], group_size, prior_loads=loads)
-        for j, i in enumerate(bucket):
-            owners[i] = plan.owners[j]
-        loads = [a + b for a, b in zip(loads, plan.loads, strict=True)]
     return OwnerPlan(owners=tuple(owners), loads=tuple(loads))
 
 

@@ -91,6 +91,7 @@ class _Plan:
             muon.ns_config,
             bucket_size_bytes=muon.bucket_size_bytes,
             min_split_flops=muon.min_split_flops,
+            owner_buckets=muon.mode == "owner",
         )
         return _Plan(
             params=params,
@@ -112,10 +113,11 @@ class ShardedMuon(TensorParallelMuon):
             ``pg_collection.expt_dp`` for experts. ``None`` means the default (world) group.
         mode: ``"owner"`` (each full matrix orthogonalized once, by one owner rank) or
             ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
-        bucket_size_bytes: bound on the fp32 bytes of full matrices held at once (the owner step's
-            peak extra memory; buckets are exchanged and orthogonalized one after the other);
-            ``None`` exchanges all matrices in one bucket. Default: 16 MiB
-            (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
+        bucket_size_bytes: bound on the fp32 bytes of full matrices one rank holds at once (the
+            owner step's peak extra memory; buckets are exchanged and orthogonalized one after the
+            other, in owner mode each giving every rank its next matrices:
+            ``step_plan.bucket_by_owner_rounds``); ``None`` exchanges all matrices in one bucket.
+            Default: 16 MiB (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
         overlap_buckets: owner mode: the next bucket's rows travel while this bucket runs NS
             (``owner_pipeline``): up to two buckets' full matrices held at once; bitwise the same
             updates. Default off until measured (docs/benchmarks.md, "Overlap").

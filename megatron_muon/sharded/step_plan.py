@@ -18,22 +18,23 @@ from typing import TYPE_CHECKING
 
 from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.planner import (
-    OwnerPlan,
-    plan_owners,
-    plan_owners_by_bucket,
-    plan_split_owners,
-)
+from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.sharded.qkv import qkv_pieces
 
 if TYPE_CHECKING:
     from megatron_muon.sharded.layout import RowLayout
 
-__all__ = ["MatrixPlan", "NSMatrix", "StepPlan", "WorkBlock", "bucket_by_bytes", "plan_step"]
+__all__ = [
+    "MatrixPlan",
+    "NSMatrix",
+    "StepPlan",
+    "WorkBlock",
+    "bucket_by_bytes",
+    "bucket_by_owner_rounds",
+    "plan_step",
+]
 
 _EXCHANGE_BYTES = 4  # the exchange moves fp32 rows
-# Buckets are balanced one by one where they hold at least this many matrices per rank on average.
-_MATRICES_PER_RANK_PER_BUCKET = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +120,8 @@ class StepPlan:
     Attributes:
         matrices: one record per 2-D matrix, in param order.
         owner_plan: the owners and each rank's NS load (``planner``).
-        buckets: positions into ``matrices`` of the matrices exchanged together: consecutive,
-            their full fp32 bytes within the bucket bound.
+        buckets: positions into ``matrices`` of the matrices exchanged together, each bucket in
+            matrix order (``plan_step`` says how they are formed).
     """
 
     matrices: tuple[MatrixPlan, ...]
@@ -138,6 +139,7 @@ def plan_step(
     max_split: int = 16,
     flops_per_byte: float = 0.0,
     element_bytes: int = 2,
+    owner_buckets: bool = True,
 ) -> StepPlan:
     """The plan of ``matrices`` over a data-parallel group of ``group_size`` ranks. Pure.
 
@@ -146,17 +148,22 @@ def plan_step(
     of matrices costing at least ``min_split_flops`` (and without tensor-parallel collectives)
     over up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte``
     (``element_bytes`` per element); otherwise ``planner.plan_owners`` gives each matrix one
-    owner. A plan without splits over several exchange buckets (``bucket_by_bytes``) holding at
-    least two matrices per rank each on average balances each bucket on its own
-    (``planner.plan_owners_by_bucket``): the ranks meet at each bucket's exchange.
+    owner (largest cost first onto the least-loaded rank).
+
+    The ranks meet at every bucket's exchange, so a bucket whose NS falls mostly on one rank makes
+    the others wait, whatever the later buckets hold. With ``owner_buckets`` (owner mode) and one
+    owner per matrix, the buckets are rounds of the owners' queues (``bucket_by_owner_rounds``):
+    every bucket gives every rank its next matrices, and ``bucket_size_bytes`` bounds what each
+    owner holds. Otherwise (gather mode, where every rank holds every matrix of a bucket; split
+    plans; one rank) buckets are consecutive matrices within the bound (``bucket_by_bytes``).
 
     Args:
-        bucket_size_bytes: bound on the full fp32 bytes of the matrices of one exchange bucket;
-            ``None``: one bucket.
+        bucket_size_bytes: bound on the full fp32 bytes of the matrices one rank holds in one
+            exchange bucket; ``None``: one bucket.
+        owner_buckets: False for gather mode (``bucket_size_bytes`` then bounds a whole bucket).
     """
     costs = [pieces_flops(m.pieces, ns_config) for m in matrices]
     sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in matrices]
-    buckets = tuple(tuple(b) for b in bucket_by_bytes(sizes, bucket_size_bytes))
     if ns_config.splittable and max_split > 1:
         owner_plan = plan_split_owners(
             costs,
@@ -170,20 +177,53 @@ def plan_step(
         )
     else:
         owner_plan = plan_owners(costs, group_size)
-    if (
-        not owner_plan.split_sizes
-        and len(buckets) > 1
-        and len(matrices) >= _MATRICES_PER_RANK_PER_BUCKET * group_size * len(buckets)
-    ):
-        # The ranks meet at every bucket's exchange: a bucket whose NS falls mostly on one rank
-        # makes the others wait, whatever the later buckets hold. Balance each bucket, where
-        # buckets hold enough matrices per rank for that (else the step as a whole).
-        owner_plan = plan_owners_by_bucket(costs, group_size, buckets)
+    if owner_buckets and group_size > 1 and not owner_plan.split_sizes:
+        buckets = bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
+    else:
+        buckets = bucket_by_bytes(sizes, bucket_size_bytes)
     records = tuple(
         MatrixPlan(matrix, cost, _work_blocks(owner_plan, m, matrix))
         for m, (matrix, cost) in enumerate(zip(matrices, costs, strict=True))
     )
-    return StepPlan(records, owner_plan, buckets)
+    return StepPlan(records, owner_plan, tuple(tuple(b) for b in buckets))
+
+
+def bucket_by_owner_rounds(
+    owners: Sequence[int], costs: Sequence[int], sizes: Sequence[int], bound: int | None
+) -> list[list[int]]:
+    """Buckets in which every rank gets its next share of NS.
+
+    Each rank's queue is its matrices (``owners[m]``) by decreasing cost, matrix order among equal
+    costs; bucket ``b`` takes queue positions ``[p_b, p_{b+1})`` of every queue, as many positions
+    as keep every rank's summed ``sizes`` within ``bound`` (at least one position, so a matrix
+    larger than the bound is a position of its own, orthogonalized beside the other ranks' ones).
+    Under ``plan_owners`` (largest cost first onto the least-loaded rank) the ranks' queues run
+    through the costs side by side, so each bucket's NS is close to even over the ranks.
+
+    Returns:
+        Indices of each bucket in matrix order; every index exactly once. ``None``: one bucket.
+    """
+    if bound is None:
+        return [list(range(len(sizes)))] if sizes else []
+    queues: list[list[int]] = [[] for _ in range(max(owners, default=-1) + 1)]
+    for m in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        queues[owners[m]].append(m)
+
+    def bytes_at(position: int) -> list[int]:
+        return [sizes[q[position]] if position < len(q) else 0 for q in queues]
+
+    buckets = []
+    start, depth = 0, max((len(q) for q in queues), default=0)
+    while start < depth:
+        held, stop = bytes_at(start), start + 1
+        while stop < depth:
+            more = [h + b for h, b in zip(held, bytes_at(stop), strict=True)]
+            if max(more) > bound:
+                break
+            held, stop = more, stop + 1
+        buckets.append(sorted(m for q in queues for m in q[start:stop]))
+        start = stop
+    return buckets
 
 
 def bucket_by_bytes(sizes: Sequence[int], bound: int | None) -> list[list[int]]:
