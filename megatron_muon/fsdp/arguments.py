@@ -13,8 +13,8 @@ megatron-muon's flags (each maps to one keyword of ``megatron_muon.ShardedMuon``
 
 - ``--muon-fsdp-mode {owner,gather}`` (owner): where Newton-Schulz runs on Megatron-FSDP shards;
   ``owner`` orthogonalizes each full matrix once on one owner rank, ``gather`` on every rank.
-- ``--muon-fsdp-bucket-size-mb`` (16): bound on the fp32 full matrices held at once, i.e. the
-  owner step's peak extra memory; a bound above the model's matrices gives one bucket.
+- ``--muon-fsdp-bucket-size-mb`` (16): bound on the fp32 full matrices one rank holds at once,
+  i.e. the owner step's peak extra memory; a bound above the model's matrices gives one bucket.
 - ``--muon-ns-method {standard,gram}`` (standard): Newton-Schulz or Gram Newton-Schulz.
 - ``--muon-gram-half-dtype {float16,bfloat16}`` (float16): Gram NS matmul dtype under
   ``--muon-fp32-matmul-prec medium``.
@@ -89,9 +89,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-fsdp-bucket-size-mb",
         type=float,
         default=DEFAULT_BUCKET_SIZE_BYTES / 2**20,
-        help="Bound (MiB of fp32) on the full matrices held at once for Newton-Schulz (matrices "
-        "are exchanged and orthogonalized bucket by bucket); a bound above the model's matrices "
-        "gives one bucket.",
+        help="Bound (MiB of fp32) on the full matrices one rank holds at once for Newton-Schulz "
+        "(matrices are exchanged and orthogonalized bucket by bucket); a bound above the model's "
+        "matrices gives one bucket.",
     )
     group.add_argument(
         "--muon-ns-method",

@@ -204,7 +204,7 @@ def bucket_by_owner_rounds(
         Indices of each bucket in matrix order; every index exactly once. ``None``: one bucket.
     """
     if bound is None:
-        return [list(range(len(sizes)))] if sizes else []
+        return bucket_by_bytes(sizes, None)
     queues: list[list[int]] = [[] for _ in range(max(owners, default=-1) + 1)]
     for m in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         queues[owners[m]].append(m)
