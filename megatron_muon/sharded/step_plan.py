@@ -12,13 +12,19 @@ plan without communicating; ``ShardedMuon`` runs it, and the plan tool
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
+from megatron_muon.sharded.planner import (
+    OwnerPlan,
+    place_near_rows,
+    plan_owners,
+    plan_split_owners,
+)
 from megatron_muon.sharded.qkv import qkv_pieces
 
 if TYPE_CHECKING:
@@ -31,6 +37,7 @@ __all__ = [
     "WorkBlock",
     "bucket_by_bytes",
     "bucket_by_owner_rounds",
+    "exchanged_elements",
     "plan_step",
 ]
 
@@ -150,6 +157,11 @@ def plan_step(
     (``element_bytes`` per element); otherwise ``planner.plan_owners`` gives each matrix one
     owner (largest cost first onto the least-loaded rank).
 
+    A one-owner plan then moves owners to ranks that hold more of their rows
+    (``planner.place_near_rows``; its largest load unchanged), unless a matrix's NS needs
+    tensor-parallel collectives: those need the identical plan on every tensor-parallel rank,
+    whose row layouts may differ.
+
     The ranks meet at every bucket's exchange, so a bucket whose NS falls mostly on one rank makes
     the others wait, whatever the later buckets hold. With ``owner_buckets`` (owner mode) and one
     owner per matrix, the buckets are rounds of the owners' queues (``bucket_by_owner_rounds``):
@@ -177,6 +189,9 @@ def plan_step(
         )
     else:
         owner_plan = plan_owners(costs, group_size)
+    if group_size > 1 and not any(m.tp_collectives for m in matrices):
+        traffic = [exchanged_elements(m.layout) for m in matrices]
+        owner_plan = place_near_rows(owner_plan, costs, traffic)
     if owner_buckets and group_size > 1 and not owner_plan.split_sizes:
         buckets = bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
     else:
@@ -194,11 +209,18 @@ def bucket_by_owner_rounds(
     """Buckets in which every rank gets its next share of NS.
 
     Each rank's queue is its matrices (``owners[m]``) by decreasing cost, matrix order among equal
-    costs; bucket ``b`` takes queue positions ``[p_b, p_{b+1})`` of every queue, as many positions
-    as keep every rank's summed ``sizes`` within ``bound`` (at least one position, so a matrix
-    larger than the bound is a position of its own, orthogonalized beside the other ranks' ones).
-    Under ``plan_owners`` (largest cost first onto the least-loaded rank) the ranks' queues run
-    through the costs side by side, so each bucket's NS is close to even over the ranks.
+    costs; bucket ``b`` takes a slice of every queue, every rank's summed ``sizes`` within
+    ``bound`` (a matrix larger than the bound is a slice of its own, orthogonalized beside the
+    other ranks' ones). The ranks meet at every bucket's exchange, so a bucket's time is its
+    busiest rank's NS: of two ways to cut the queues, the one whose buckets' largest NS sum to
+    less wins (ties: fewer buckets, then the first):
+
+    - cost rounds (``_cost_rounds``): every queue cut where its summed cost comes nearest to
+      ``k / B`` of the largest load, for the fewest buckets ``B`` that keep the bound; ranks
+      whose queues differ in length (owners placed near their rows) still finish each bucket
+      together;
+    - position rounds: the same number of queue positions from every queue, as many as keep the
+      bound; under ``plan_owners`` the queues run through the costs side by side.
 
     Returns:
         Indices of each bucket in matrix order; every index exactly once. ``None``: one bucket.
@@ -208,6 +230,24 @@ def bucket_by_owner_rounds(
     queues: list[list[int]] = [[] for _ in range(max(owners, default=-1) + 1)]
     for m in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         queues[owners[m]].append(m)
+    candidates = [_position_rounds(queues, sizes, bound)]
+    cost_rounds = _cost_rounds(queues, costs, sizes, bound)
+    if cost_rounds is not None:
+        candidates.append(cost_rounds)
+
+    def busiest_sum(buckets: list[list[int]]) -> tuple[int, int]:
+        busiest = sum(
+            max(sum(costs[m] for m in bucket if owners[m] == r) for r in range(len(queues)))
+            for bucket in buckets
+        )
+        return busiest, len(buckets)
+
+    return min(candidates, key=busiest_sum)
+
+
+def _position_rounds(queues: list[list[int]], sizes: Sequence[int], bound: int) -> list[list[int]]:
+    """Bucket ``b``: queue positions ``[p_b, p_{b+1})`` of every queue, as many positions as keep
+    every rank's summed ``sizes`` within ``bound`` (at least one)."""
 
     def bytes_at(position: int) -> list[int]:
         return [sizes[q[position]] if position < len(q) else 0 for q in queues]
@@ -224,6 +264,55 @@ def bucket_by_owner_rounds(
         buckets.append(sorted(m for q in queues for m in q[start:stop]))
         start = stop
     return buckets
+
+
+def _cost_rounds(
+    queues: list[list[int]], costs: Sequence[int], sizes: Sequence[int], bound: int
+) -> list[list[int]] | None:
+    """The fewest buckets ``B`` for which cutting every queue where its summed cost is nearest
+    ``k / B`` of the largest load (``k = 1 .. B-1``; earlier where the bound needs) keeps every
+    slice within ``bound``; ``None`` if no ``B`` up to the longest queue does."""
+    if not any(queues):
+        return None
+    largest = max(sum(costs[m] for m in q) for q in queues)
+    held = max(sum(sizes[m] for m in q) for q in queues)
+    for count in range(max(1, -(-held // bound)), max(len(q) for q in queues) + 1):
+        slices = [_cut_queue(q, costs, sizes, bound, largest, count) for q in queues]
+        if all(s is not None for s in slices):
+            buckets = [sorted(m for s in slices if s for m in s[b]) for b in range(count)]
+            return [b for b in buckets if b]
+    return None
+
+
+def _cut_queue(
+    queue: list[int],
+    costs: Sequence[int],
+    sizes: Sequence[int],
+    bound: int,
+    largest: int,
+    count: int,
+) -> list[list[int]] | None:
+    """``queue`` in ``count`` slices, cut where the summed cost is nearest ``k * largest / count``
+    but no later than the bound allows; ``None`` if the last slice exceeds ``bound`` (a single
+    matrix may)."""
+    done, held = [0], [0]
+    for m in queue:
+        done.append(done[-1] + costs[m])
+        held.append(held[-1] + sizes[m])
+    slices, start = [], 0
+    for k in range(1, count):
+        # The latest cut keeping the slice within the bound (one matrix at least).
+        fits = max(min(start + 1, len(queue)), bisect_right(held, held[start] + bound) - 1)
+        nearest = bisect_left(done, k * largest / count, start, fits + 1)
+        stop = min(
+            (c for c in (nearest - 1, nearest) if start <= c <= fits),
+            key=lambda c: (abs(done[c] - k * largest / count), c),
+        )
+        slices.append(queue[start:stop])
+        start = stop
+    if len(queue) - start > 1 and held[-1] - held[start] > bound:
+        return None
+    return [*slices, queue[start:]]
 
 
 def bucket_by_bytes(sizes: Sequence[int], bound: int | None) -> list[list[int]]:
@@ -243,6 +332,16 @@ def bucket_by_bytes(sizes: Sequence[int], bound: int | None) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def exchanged_elements(layout: RowLayout) -> list[int]:
+    """Elements of ``layout``'s matrix that travel if group rank ``r`` orthogonalizes it whole,
+    for each ``r``: the rows it lacks, to it (each interval from one holder), and every other
+    holder's rows of the result, back (``OwnerExchange``). Rank ``r`` lacks every row outside its
+    own interval (the intervals tile the matrix), so both terms fall by its rows."""
+    held = [layout.rows_of(r) for r in range(len(layout.ranges))]
+    total = layout.num_rows + sum(held)
+    return [(total - 2 * rows) * layout.row_numel for rows in held]
 
 
 def _work_blocks(plan: OwnerPlan, m: int, matrix: NSMatrix) -> tuple[WorkBlock, ...]:
