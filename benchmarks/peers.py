@@ -2,29 +2,32 @@
 
 Exactness: the peer's parameters after 3 steps on FSDP2 (``fully_shard``) Shard(0) params against
 one single-process fp32 reference (megatron-core ``TensorParallelMuon`` on the full matrices,
-``"highest"``), and a bf16 (``"medium"``) one, each peer set to our settings where it can be and
-both sides changed where it cannot (``PEER_SETTINGS``). Step time: ours (``ShardedMuon`` on
-Megatron-FSDP row shards) and every peer that ran, on the same shapes, stepped in turn (median,
-min, max) with one step's transient memory. A peer that does not install or refuses this machine
-is a row with its reason, measured by trying: muonium's NS is a Triton kernel that asserts CUDA
-tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per process.
-megatron-core's ``LayerWiseDistributedOptimizer`` runs on Megatron's DDP with a whole GPTModel
-(``benchmarks.layerwise_peer``). Per side and DP: also one step's matmul FLOPs (NS) and bytes
-handed to collectives per rank, max and mean over the ranks, counted while it runs
+``"highest"``), and a bf16 (``"medium"``) one (not where bf16 matmuls are slow), each peer set to
+our settings where it can be and both sides changed where it cannot (``PEER_SETTINGS``). Step time:
+ours (``ShardedMuon`` on Megatron-FSDP row shards) and every peer that ran, on the same shapes,
+stepped in turn (median, min, max) with one step's transient memory. A peer that does not install or
+refuses this machine is a row with its reason, measured by trying: muonium's NS is a Triton kernel
+that asserts CUDA tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per
+process; a peer whose NS is bf16 only (``BF16_ONLY_NS``) is a row with that reason where bf16
+matmuls are slow. megatron-core's ``LayerWiseDistributedOptimizer`` runs on Megatron's DDP with a
+whole GPTModel (``benchmarks.layerwise_peer``). Per side and DP: also one step's matmul FLOPs (NS)
+and bytes handed to collectives per rank, max and mean over the ranks, counted while it runs
 (``benchmarks.step_counts``), the same way for every implementation.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import MUON_KWARGS, sharded_params
+from benchmarks.optimizer_step import MUON_KWARGS, NS_PRECISION_ENV, sharded_params
 from benchmarks.step_counts import step_figures
 from benchmarks.training_step import GPTSize
+from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = [
     "peer_exactness",
@@ -44,6 +47,11 @@ PEER_SETTINGS: dict[str, dict] = {
     "muonium": {"scale_mode": "shape_scaling", "weight_decay": 0.0},
     "torchtitan DistMuon": {},
 }
+# Peers whose Newton-Schulz runs in bf16 whatever the settings, with where: where bf16 matmuls are
+# slow (benchmarks.machine: a CPU without bf16 instructions) their steps would not finish in the
+# bench's time (measured on a 2-core AMD EPYC, bf16 57x slower than fp32: muon-fsdp2's exactness
+# run at DP=2 past 600 s), so they are rows with that reason there.
+BF16_ONLY_NS = {"muon-fsdp2": "muon_fsdp2.zeropower_via_newtonschulz5 casts to bf16"}
 PEER_MODULES = {
     "muon-fsdp2": "muon_fsdp2",
     "muonium": "muonium",
@@ -154,8 +162,10 @@ def peer_exactness(
     shapes: TransformerShapes,
     peer: str,
     steps: int = STEPS,
+    bf16_reference: bool = True,
 ) -> dict:
-    """Rank function: ``peer`` on FSDP2 Shard(0) params vs the fp32 and bf16 references.
+    """Rank function: ``peer`` on FSDP2 Shard(0) params vs the fp32 and (``bf16_reference``)
+    bf16 references.
 
     Every rank makes the same full matrices and grads (seeded); rank 0 returns the relative errors
     (the others ``{}``), or ``{"not_run": reason}`` where the peer refuses to build or step here.
@@ -180,14 +190,17 @@ def peer_exactness(
         return {}  # the references are computed once, on rank 0
     settings = PEER_SETTINGS[peer]
     fp32 = _reference(fulls, grads, "highest", settings)
-    return {
+    result = {
         "error_vs_fp32": _relative_error(got, fp32, fulls),
-        "error_vs_bf16": _relative_error(got, _reference(fulls, grads, "medium", settings), fulls),
         "update_max_peer_over_reference": max(
             float((g - f).abs().max() / (w - f).abs().max())
             for g, w, f in zip(got, fp32, fulls, strict=True)
         ),
     }
+    if bf16_reference:
+        bf16 = _reference(fulls, grads, "medium", settings)
+        result["error_vs_bf16"] = _relative_error(got, bf16, fulls)
+    return result
 
 
 def _reason(error: Exception) -> str:
@@ -257,11 +270,19 @@ def peers_section(
     for name, error in peer_import_errors().items():
         if error is not None:
             rows[name] = {"not_run": f"not installed (make bench-peers-deps): {error}"}
+    slow_bf16 = os.environ.get(NS_PRECISION_ENV) == "highest"  # benchmarks.machine's finding
+    for name, where in BF16_ONLY_NS.items():
+        if slow_bf16 and name not in rows:
+            rows[name] = {
+                "not_run": f"its Newton-Schulz runs in bf16 only ({where}) and bf16 matmuls are "
+                f"over {BF16_SLOW_FACTOR:.0f}x slower than fp32 here: its steps would not finish "
+                "in the bench's time"
+            }
     runnable = [name for name in PEER_BUILDERS if name not in rows]
     timings: dict[str, dict] = {}
     for dp in [dp for dp in dp_sizes if dp >= 2]:
         for name in runnable:
-            result = run_ranks(peer_exactness, dp, device, shapes, name)[0]
+            result = run_ranks(peer_exactness, dp, device, shapes, name, STEPS, not slow_bf16)[0]
             rows.setdefault(name, {})[str(dp)] = result
         timed = [name for name in runnable if "not_run" not in rows[name][str(dp)]]
         times = run_ranks(peer_step_times, dp, device, shapes, timed, warmup, repeats)[0]
