@@ -236,10 +236,12 @@ def bucket_by_owner_rounds(
         candidates.append(cost_rounds)
 
     def busiest_sum(buckets: list[list[int]]) -> tuple[int, int]:
-        busiest = sum(
-            max(sum(costs[m] for m in bucket if owners[m] == r) for r in range(len(queues)))
-            for bucket in buckets
-        )
+        busiest = 0
+        for bucket in buckets:
+            loads = [0] * len(queues)
+            for m in bucket:
+                loads[owners[m]] += costs[m]
+            busiest += max(loads)
         return busiest, len(buckets)
 
     return min(candidates, key=busiest_sum)
