@@ -313,7 +313,7 @@ def test_ns_flops_counts_the_matmuls_performed(
     x = torch.randn(*shape)
     batch = shape[0] if len(shape) == 3 else 1
     rows, cols = shape[-2], shape[-1]
-    for method in ("standard", "gram"):
+    for method in ("standard", "gram", "symmetric"):
         config = NSConfig(num_ns_steps=5, ns_method=method, gram_restarts=restarts)
         with FlopCounterMode(display=False) as counter:
             orthogonalize(x, config)

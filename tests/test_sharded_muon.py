@@ -290,18 +290,19 @@ def test_dp1_needs_no_exchange_and_matches_unsharded_muon():
     assert result["stats"].bytes_sent == 0
 
 
-def _run_gram(rank: int, world_size: int) -> list[torch.Tensor]:
+def _run_ns_method(rank: int, world_size: int, ns_method: str) -> list[torch.Tensor]:
     splits = _splits_for(world_size, "empty") if world_size > 1 else [[r] for r, _ in SHAPES]
     result = _run_constructed_splits(
-        rank, world_size, SHAPES, splits, "owner", 2, sharded_only={"ns_method": "gram"}
+        rank, world_size, SHAPES, splits, "owner", 2, sharded_only={"ns_method": ns_method}
     )
     return result["locals"]
 
 
 @pytest.mark.multirank
-def test_gram_newton_schulz_is_as_exact_under_sharding_as_unsharded():
-    [unsharded] = run_on_ranks(_run_gram, 1)
-    sharded = run_on_ranks(_run_gram, 2)
+@pytest.mark.parametrize("ns_method", ["gram", "symmetric"])
+def test_own_newton_schulz_methods_are_as_exact_under_sharding_as_unsharded(ns_method: str):
+    [unsharded] = run_on_ranks(_run_ns_method, 1, ns_method)
+    sharded = run_on_ranks(_run_ns_method, 2, ns_method)
     splits = _splits_for(2, "empty")
     for i, full in enumerate(unsharded):
         mine = torch.cat([sharded[r][i] for r in range(2)])

@@ -97,7 +97,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-ns-method",
         choices=get_args(NSMethodT),
         default=_DEFAULTS.ns_method,
-        help="Newton-Schulz iteration: 'standard' or 'gram' (Gram Newton-Schulz).",
+        help="Newton-Schulz iteration: 'standard' (megatron-core's), 'gram' (Gram "
+        "Newton-Schulz) or 'symmetric' (the standard iteration, its symmetric products by halves: "
+        "12-17%% fewer FLOPs; never split over ranks).",
     )
     group.add_argument(
         "--muon-gram-half-dtype",

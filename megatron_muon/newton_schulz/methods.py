@@ -10,7 +10,10 @@ config, the CLI choices and the planner's cost all follow from this file:
   ``TensorParallelMuon`` runs), iterating on ``X`` itself;
 - ``"gram"``: Gram Newton-Schulz (``gram_newton_schulz``), iterating on the small ``(k, k)`` Gram
   matrix. Where it would not save FLOPs (near-square matrices) it runs the standard iteration
-  instead, so its cost is never above the standard count.
+  instead, so its cost is never above the standard count;
+- ``"symmetric"``: the standard iteration with its symmetric products ``X X^T`` and
+  ``(X X^T)^2`` computed as three of their four blocks (``symmetric_newton_schulz``): 12 to 17%
+  fewer FLOPs, results equal to the standard method's to fp32 reduction order.
 
 Around the iteration, this module adds what a sharded optimizer needs:
 
@@ -55,6 +58,7 @@ from megatron_muon.newton_schulz.gram import (
     gram_newton_schulz,
     gram_ns_flops,
 )
+from megatron_muon.newton_schulz.symmetric import symmetric_newton_schulz, symmetric_ns_flops
 
 __all__ = [
     "NS_METHODS",
@@ -81,7 +85,7 @@ _REPEAT_LAST_TYPES: frozenset[str] = frozenset({"polar_express", "cans", "deepse
 # The NS-method registry: a new method is a name in NSMethodT and one entry in NS_METHODS.
 # --------------------------------------------------------------------------------------------------
 
-NSMethodT = Literal["standard", "gram"]
+NSMethodT = Literal["standard", "gram", "symmetric"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +137,21 @@ def _gram_flops(rows: int, cols: int, config: NSConfig) -> int:
     return min(gram, _standard_flops(rows, cols, config))
 
 
+def _symmetric(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
+    schedule = coefficient_schedule(
+        config.num_ns_steps, config.coefficient_type, config.custom_coefficient_sets
+    )
+    return symmetric_newton_schulz(x, schedule)
+
+
+def _symmetric_flops(rows: int, cols: int, config: NSConfig) -> int:
+    return symmetric_ns_flops(rows, cols, config.num_ns_steps)
+
+
 NS_METHODS: dict[str, NSMethod] = {
     "standard": NSMethod(run=_standard, flops=_standard_flops, splittable=True),
     "gram": NSMethod(run=_gram, flops=_gram_flops, splittable=False),
+    "symmetric": NSMethod(run=_symmetric, flops=_symmetric_flops, splittable=False),
 }
 assert set(NS_METHODS) == set(get_args(NSMethodT)), "NSMethodT and NS_METHODS name the same methods"
 

@@ -133,7 +133,8 @@ class MuonFsdpConfig:
             data-parallel group; ``"gather"``: every rank gathers and orthogonalizes every matrix.
         bucket_size_bytes: bound on the fp32 full matrices one rank holds at once (the owner
             step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
-        ns_method: ``"standard"`` Newton-Schulz or ``"gram"`` (Gram Newton-Schulz).
+        ns_method: ``"standard"`` Newton-Schulz, ``"gram"`` (Gram Newton-Schulz) or
+            ``"symmetric"`` (``newton_schulz.symmetric``).
         gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``
             (``"float16"`` or ``"bfloat16"``; fp32 under "high"/"highest").
         gram_restarts: Gram NS restart iterations (None: ``default_gram_restarts``).

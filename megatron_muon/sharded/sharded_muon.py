@@ -122,7 +122,7 @@ class ShardedMuon(TensorParallelMuon):
             (``owner_pipeline``): up to two buckets' full matrices held at once; bitwise the same
             updates. Default off until measured (docs/benchmarks.md, "Overlap").
         ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``), e.g.
-            ``"standard"`` NS or ``"gram"`` (Gram Newton-Schulz).
+            ``"standard"`` NS, ``"gram"`` (Gram Newton-Schulz) or ``"symmetric"``.
         custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
         gram_restarts, gram_half_dtype: Gram NS restarts and its half dtype under ``"medium"``
             precision (``NSConfig``; fp16 by default, which CPUs emulate slowly: use bfloat16
