@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             dp_sizes,
             config.warmup,
-            config.repeats,
+            config.peer_repeats,
         )
     results["ns_methods"] = timed_section("ns_methods", ns_methods_section, config, out_dir)
     shapes = ns_batching.QUICK_SHAPES if args.quick else ns_batching.SHAPES
@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "muon_kwargs": MUON_KWARGS,
         "warmup": config.warmup,
         "repeats": config.repeats,
+        "peer_repeats": config.peer_repeats,
         "dp_sizes": dp_sizes,
         "dp_sizes_skipped_for_lack_of_devices": skipped,
         "seconds": time.monotonic() - started,

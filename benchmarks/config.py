@@ -23,6 +23,9 @@ class BenchConfig:
     scaling_dp: int
     warmup: int
     repeats: int
+    # Timed steps of each side in the peers section: the step-to-step spread of a shared 2-core
+    # CPU (~0.3 s of a ~3 s step) is wider than the margins that section compares.
+    peer_repeats: int
     matmul_size: int
     bucket_size_bytes: int
     bucket_sizes: tuple[int | None, ...]
@@ -53,6 +56,7 @@ FULL = BenchConfig(
     scaling_dp=2,
     warmup=1,
     repeats=3,
+    peer_repeats=7,
     matmul_size=2048,
     bucket_size_bytes=4 * 2**20,
     bucket_sizes=(None, 32 * 2**20, 16 * 2**20, 8 * 2**20, 4 * 2**20),
@@ -80,6 +84,7 @@ QUICK = BenchConfig(
     scaling_dp=2,
     warmup=1,
     repeats=2,
+    peer_repeats=2,
     matmul_size=256,
     bucket_size_bytes=16 * 2**10,
     bucket_sizes=(None, 64 * 2**10, 16 * 2**10),

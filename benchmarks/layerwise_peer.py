@@ -1,6 +1,8 @@
 """Megatron's own distributed Muon next to ours: megatron-core's ``LayerWiseDistributedOptimizer``
 (Megatron-LM's ``--optimizer muon --use-distributed-optimizer``: Megatron's DDP, whole matrices
-per DP rank, the updated params all-gathered) against ``build_muon_optimizer`` on Megatron-FSDP.
+per DP rank, the updated params all-gathered) against ``build_muon_optimizer`` on Megatron-FSDP,
+twice: with the default NS (emerging-optimizers' ``newton_schulz``, the one LayerWise runs) and with
+``ns_method="symmetric"`` (``OURS_SIDES``).
 
 Both train the same bf16 ``GPTModel`` (the training-step model; seed 0) on the same batches
 (every DP rank the whole batch: ``_train`` says why), from the same weights. bf16 because stock
@@ -38,10 +40,21 @@ from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
 from benchmarks.training_step import GPTSize, build_gpt, optimizer_config, torch_device
 from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
+from megatron_muon.newton_schulz.methods import NSMethodT
 
-__all__ = ["STEPS", "errors", "layerwise_reference", "layerwise_section", "layerwise_vs_ours"]
+__all__ = [
+    "OURS_SIDES",
+    "STEPS",
+    "errors",
+    "layerwise_reference",
+    "layerwise_section",
+    "layerwise_vs_ours",
+]
 
 STEPS = 3
+# Ours, once per NS method compared: the default (emerging-optimizers' newton_schulz, the NS
+# LayerWise runs) and the symmetric method (the same iteration, its symmetric products by halves).
+OURS_SIDES: dict[str, NSMethodT] = {"ours": "standard", "ours_symmetric_ns": "symmetric"}
 # Main weights are compared after step 1 and after step STEPS. After step 1 an exact Muon matches
 # the reference to fp32 reduction order (ours: 6e-6 of the update at DP=1); later steps start from
 # bf16 compute weights rounded from main weights that may differ in the last fp32 bits, so a weight
@@ -104,11 +117,12 @@ def _on_ddp(size: GPTSize, device: str, layer_wise: bool):
     return wrapped, get_megatron_optimizer(muon, [wrapped])
 
 
-def _on_megatron_fsdp(size: GPTSize, device: str):
-    """(Megatron-FSDP model, ``build_muon_optimizer``), ``optim_grads_params``."""
+def _on_megatron_fsdp(size: GPTSize, device: str, ns_method: NSMethodT = "standard"):
+    """(Megatron-FSDP model, ``build_muon_optimizer`` with ``ns_method``): optim_grads_params."""
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
     from megatron_muon import build_muon_optimizer
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     config, model = build_gpt(size, device, bf16=True)
     ddp_config = DistributedDataParallelConfig(
@@ -120,7 +134,9 @@ def _on_megatron_fsdp(size: GPTSize, device: str):
     wrapped = FullyShardedDataParallel(config, ddp_config, model, device=torch_device(device))
     main_weights = {_strip(n): p for n, p in wrapped.named_parameters() if _is_muon(n)}
     muon = optimizer_config("muon", bf16=True, **_EXACT)
-    optimizer = build_muon_optimizer(muon, [wrapped], grads_already_synced=True)
+    optimizer = build_muon_optimizer(
+        muon, [wrapped], grads_already_synced=True, fsdp_config=MuonFsdpConfig(ns_method=ns_method)
+    )
     return wrapped, optimizer, main_weights
 
 
@@ -229,23 +245,26 @@ def layerwise_vs_ours(
     optimizer steps timed in turn and one step's transient memory each, and (``whole_step``)
     their whole training steps."""
     layer_wise, layer_wise_optimizer = _on_ddp(size, device, layer_wise=True)
-    ours, ours_optimizer, ours_weights = _on_megatron_fsdp(size, device)
-    after: dict[str, dict] = {"layerwise": {}, "ours": {}}
+    ours = {side: _on_megatron_fsdp(size, device, method) for side, method in OURS_SIDES.items()}
+    after: dict[str, dict] = {side: {} for side in ("layerwise", *ours)}
     for steps in CHECKPOINTS:
         _train(layer_wise, layer_wise_optimizer, size, device, steps)
-        _train(ours, ours_optimizer, size, device, steps)
         after["layerwise"][steps.stop] = _ddp_main_weights(layer_wise, layer_wise_optimizer)
-        after["ours"][steps.stop] = _fsdp_main_weights(ours_weights)
-    steppers = {"ours": _Stepper(ours_optimizer), "layerwise": _Stepper(layer_wise_optimizer)}
+        for side, (model, optimizer, weights) in ours.items():
+            _train(model, optimizer, size, device, steps)
+            after[side][steps.stop] = _fsdp_main_weights(weights)
+    steppers = {side: _Stepper(optimizer) for side, (_, optimizer, _) in ours.items()}
+    steppers["layerwise"] = _Stepper(layer_wise_optimizer)
     times = step_figures(steppers, device, warmup, repeats)
     if not whole_step:
         return {"after": after, "times": times} if rank == 0 else {}
     # The whole training step too: DDP all-reduces gradients before its optimizer step, where
     # Megatron-FSDP reduce-scatters them and ours exchanges rows inside the step.
     whole = {
-        "ours": _WholeStep(ours, ours_optimizer, size, device),
-        "layerwise": _WholeStep(layer_wise, layer_wise_optimizer, size, device),
+        side: _WholeStep(model, optimizer, size, device)
+        for side, (model, optimizer, _) in ours.items()
     }
+    whole["layerwise"] = _WholeStep(layer_wise, layer_wise_optimizer, size, device)
     for name, values in time_samples(whole, device, warmup, repeats).items():
         times[name]["whole_step_s"] = median(values)
     return {"after": after, "times": times} if rank == 0 else {}
@@ -275,7 +294,8 @@ def layerwise_section(
     size: GPTSize, device: str, dp_sizes: list[int], warmup: int, repeats: int
 ) -> dict:
     """The LayerWise peer row: per DP >= 2, both sides' errors (``errors``), whether each is exact
-    (its error after step 1 within ``EXACT_AFTER_ONE_STEP``) and step times, ``ours_over_peer``
+    (its error after step 1 within ``EXACT_AFTER_ONE_STEP``) and step times, ``<side>_over_peer``
+    for each of ``OURS_SIDES``
     (and the whole training step's, where bf16 is fast: module docstring)."""
     from benchmarks.launcher import run_ranks
 
@@ -292,16 +312,20 @@ def layerwise_section(
             "errors": errors_,
             "exact": {side: errors_[side][1] <= EXACT_AFTER_ONE_STEP for side in errors_},
             "times": times,
-            "ours_over_peer": times["ours"]["seconds"] / times["layerwise"]["seconds"],
             "tokens_per_step": size.tokens_per_rank() * GLOBAL_MICRO_BATCHES,
         }
+        for side in OURS_SIDES:
+            row[str(dp)][f"{side}_over_peer"] = (
+                times[side]["seconds"] / times["layerwise"]["seconds"]
+            )
         if slow_bf16:
             row[str(dp)]["whole_step_not_timed"] = (
                 f"bf16 matmuls over {BF16_SLOW_FACTOR:.0f}x slower than fp32 here: both sides "
                 f"train on {SLOW_BF16_SEQ_LENGTH}-token micro-batches (module docstring)"
             )
         else:
-            row[str(dp)]["whole_step_ours_over_peer"] = (
-                times["ours"]["whole_step_s"] / times["layerwise"]["whole_step_s"]
-            )
+            for side in OURS_SIDES:
+                row[str(dp)][f"whole_step_{side}_over_peer"] = (
+                    times[side]["whole_step_s"] / times["layerwise"]["whole_step_s"]
+                )
     return row

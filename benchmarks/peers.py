@@ -4,7 +4,8 @@ Exactness: the peer's parameters after 3 steps on FSDP2 (``fully_shard``) Shard(
 one single-process fp32 reference (megatron-core ``TensorParallelMuon`` on the full matrices,
 ``"highest"``), and a bf16 (``"medium"``) one (not where bf16 matmuls are slow), each peer set to
 our settings where it can be and both sides changed where it cannot (``PEER_SETTINGS``). Step time:
-ours (``ShardedMuon`` on Megatron-FSDP row shards) and every peer that ran, on the same shapes,
+ours (``ShardedMuon`` on Megatron-FSDP row shards, with each NS method of ``OURS_SIDES``) and
+every peer that ran, on the same shapes,
 stepped in turn (median, min, max) with one step's transient memory. A peer that does not install or
 refuses this machine is a row with its reason, measured by trying: muonium's NS is a Triton kernel
 that asserts CUDA tensors; torchtitan's ``DistMuon`` refuses anything but one CUDA device per
@@ -23,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from benchmarks.layerwise_peer import OURS_SIDES
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, NS_PRECISION_ENV, sharded_params
 from benchmarks.step_counts import step_figures
@@ -228,7 +230,12 @@ def peer_step_times(
 
     from megatron_muon import ShardedMuon
 
-    optimizers = {"ours": ShardedMuon(sharded_params(shapes, world_size, device), **MUON_KWARGS)}
+    optimizers = {
+        side: ShardedMuon(
+            sharded_params(shapes, world_size, device), **MUON_KWARGS, ns_method=method
+        )
+        for side, method in OURS_SIDES.items()
+    }
     generator = torch.Generator().manual_seed(0)
     fulls = [torch.randn(shape, generator=generator) for shape in shapes.shapes()]
     for peer in peers:
@@ -287,7 +294,8 @@ def peers_section(
         timed = [name for name in runnable if "not_run" not in rows[name][str(dp)]]
         times = run_ranks(peer_step_times, dp, device, shapes, timed, warmup, repeats)[0]
         for name in timed:
-            times[name]["ours_over_peer"] = times["ours"]["seconds"] / times[name]["seconds"]
+            for side in OURS_SIDES:
+                times[name][f"{side}_over_peer"] = times[side]["seconds"] / times[name]["seconds"]
         timings[str(dp)] = times
     layer_wise = layerwise_section(gpt, device, dp_sizes, warmup, repeats)
     rows["megatron-core LayerWiseDistributedOptimizer"] = layer_wise
