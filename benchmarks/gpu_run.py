@@ -10,10 +10,13 @@ Each section runs in its own spawned process (``run_ranks``, one NCCL rank), in 
    (``GPU.stock``), stepped in turn; and the owner step's NS rate (its NS FLOPs over its time).
 4. ``gram``: Gram vs standard NS by aspect ratio (``benchmarks.ns_methods`` on the GPU; Gram in
    fp16, its default, and in bf16).
-5. ``training``: a 1B+ GPTModel (``GPU.gpt``, seq 4096) under Megatron-FSDP, bf16 compute weights,
+5. ``symmetric``: symmetric vs standard NS (``ns_method="symmetric"``: its symmetric products as
+   three half-size GEMMs each) on the shapes of 2, in bf16 and in fp32: whether it pays on this
+   card, which decides whether it can become the default NS method (docs/newton_schulz.md).
+6. ``training``: a 1B+ GPTModel (``GPU.gpt``, seq 4096) under Megatron-FSDP, bf16 compute weights,
    Muon (``build_muon_optimizer``) and AdamW (megatron-core's), each kind in its own process:
    median whole step, optimizer step, peak memory (``max_memory_allocated``) and state memory.
-6. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
+7. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
    priced at the rates measured above (module ``benchmarks.gpu_targets``).
 
 The targets (``benchmarks.gpu_targets.TARGETS``) are reported met or not, with the figures behind
@@ -36,7 +39,7 @@ import torch.distributed as dist
 from benchmarks import gpu_targets, ns_methods
 from benchmarks.headline import owner_step
 from benchmarks.launcher import run_ranks
-from benchmarks.measure import median, synchronize, timed
+from benchmarks.measure import interleaved_times, median, synchronize, timed
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import matmul_rate, stock_comparison
 from benchmarks.training_step import GPTSize, _Trainer
@@ -138,6 +141,47 @@ def newton_schulz_rates(
     return rows_out
 
 
+def symmetric_vs_standard(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: list[tuple[int, int]],
+    warmup: int,
+    repeats: int,
+) -> list[dict]:
+    """Standard and symmetric NS (5 quintic steps) of each ``(rows, cols)`` fp32 matrix, timed
+    alternately (``interleaved_times``), at "medium" (bf16 matmuls, Megatron's default) and
+    "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio."""
+    from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
+
+    standard, symmetric = NSConfig(), NSConfig(ns_method="symmetric")
+    rows_out = []
+    for precision in ("medium", "highest"):
+        torch.set_float32_matmul_precision(precision)
+        for rows, cols in shapes:
+            x = torch.randn(rows, cols, device=device)
+            standard_times, symmetric_times = interleaved_times(
+                [
+                    lambda x=x: orthogonalize(x, standard),
+                    lambda x=x: orthogonalize(x, symmetric),
+                ],
+                warmup,
+                repeats,
+                device,
+            )
+            rows_out.append(
+                {
+                    "shape": [rows, cols],
+                    "precision": precision,
+                    "standard_s": median(standard_times),
+                    "symmetric_s": median(symmetric_times),
+                    "symmetric_over_standard": median(symmetric_times) / median(standard_times),
+                    "flop_ratio": symmetric.flops(rows, cols) / standard.flops(rows, cols),
+                }
+            )
+    return rows_out
+
+
 def stock_and_owner(
     rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
 ) -> dict:
@@ -215,6 +259,9 @@ def run(device: str, config: GpuBenchConfig, log=print) -> dict:
             stock_and_owner, 1, device, config.stock, config.warmup, config.repeats
         )[0],
         "gram": lambda: _gram_section(config, device),
+        "symmetric": lambda: run_ranks(
+            symmetric_vs_standard, 1, device, list(config.ns_shapes), config.warmup, config.repeats
+        )[0],
         "training": lambda: _training_section(config, device),
     }
     results: dict = {"config": asdict(config), "section_seconds": {}}

@@ -5,6 +5,8 @@ Targets (issue: "On a real GPU"), each met or not with the figures behind it:
 - ``ns_over_matmul``: NS (bf16, hidden >= 4096) at >= 60% of the measured bf16 matmul rate;
 - ``ours_over_tensor_parallel_muon``: ``ShardedMuon`` / ``TensorParallelMuon`` step <= 1.02, DP=1;
 - ``gram_over_standard``: Gram NS >= 1.4x faster than standard at aspect ratio >= 4;
+- ``symmetric_over_standard``: symmetric NS no slower than standard (bf16, hidden >= 4096): where
+  met, the symmetric method can become the default NS method (docs/newton_schulz.md);
 - ``muon_over_adamw_step``: whole training step, Muon / AdamW <= 1.10 on the 1B+ GPT, DP=1;
 - ``muon_over_adamw_peak_memory``: peak memory of a training step, Muon / AdamW <= 0.95.
 
@@ -31,6 +33,10 @@ TARGETS = {
     "ns_over_matmul": ("NS (bf16) / bf16 matmul rate, hidden >= 4096 (worst shape)", (">=", 0.60)),
     "ours_over_tensor_parallel_muon": ("ShardedMuon / TensorParallelMuon step, DP=1", ("<=", 1.02)),
     "gram_over_standard": ("Gram / standard NS speed-up, aspect >= 4 (worst)", (">=", 1.4)),
+    "symmetric_over_standard": (
+        "symmetric / standard NS time, bf16, hidden >= 4096 (worst shape)",
+        ("<=", 1.0),
+    ),
     "muon_over_adamw_step": ("whole training step Muon / AdamW, 1B+ GPT, DP=1", ("<=", 1.10)),
     "muon_over_adamw_peak_memory": ("training-step peak memory Muon / AdamW", ("<=", 0.95)),
 }
@@ -67,6 +73,11 @@ def _values(results: dict) -> dict[str, float | None]:
         ]
         if wide:
             values["gram_over_standard"] = min(g["speedup"] for g in wide)
+    symmetric = results.get("symmetric")
+    if _ok(symmetric):
+        bf16 = [r for r in symmetric if r["precision"] == "medium"]
+        wide = [r for r in bf16 if min(r["shape"]) >= 4096] or bf16
+        values["symmetric_over_standard"] = max(r["symmetric_over_standard"] for r in wide)
     training = results.get("training")
     if _ok(training):
         muon, adamw = training["muon"], training["adamw"]
@@ -185,6 +196,15 @@ def format_markdown(results: dict) -> str:
             lines.append(
                 f"| {tuple(g['shape'])} | {g['precision']} | {g['standard_s'] * 1e3:.2f} | "
                 f"{g['gram_s'] * 1e3:.2f} | {g['speedup']:.2f}x |"
+            )
+    if _ok(results.get("symmetric")):
+        lines += ["", "| symmetric vs standard NS | precision | standard ms | symmetric ms | "
+                  "time ratio | FLOP ratio |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in results["symmetric"]:
+            lines.append(
+                f"| {tuple(r['shape'])} | {r['precision']} | {r['standard_s'] * 1e3:.2f} | "
+                f"{r['symmetric_s'] * 1e3:.2f} | {r['symmetric_over_standard']:.3f} | "
+                f"{r['flop_ratio']:.3f} |"
             )
     if _ok(results.get("training")):
         lines += ["", "| training step | step ms | optimizer ms | peak GiB | state GiB |"]

@@ -34,6 +34,7 @@ __all__ = [
     "MemoryProbe",
     "tensor_memory_peak",
     "growth_exponent",
+    "interleaved_times",
     "median",
     "return_freed_memory_to_os",
     "synchronize",
@@ -52,6 +53,26 @@ def median(values: Sequence[float]) -> float:
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def interleaved_times(
+    fns: Sequence[Callable[[], object]], warmup: int, repeats: int, device: str = "cpu"
+) -> list[list[float]]:
+    """Seconds of each call of each function (one rank, no barrier), the functions timed
+    alternately so that all see the same machine load (the CPU may be shared; back-to-back blocks
+    of repeats would compare different loads); a GPU is synchronized around each call."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times, strict=True):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            samples.append(time.perf_counter() - start)
+    return times
 
 
 def timed(fn: Callable[[], object], device: str, group: dist.ProcessGroup | None = None) -> float:

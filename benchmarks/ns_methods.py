@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
 
-from benchmarks.measure import synchronize
+from benchmarks.measure import interleaved_times
 from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize, uses_gram
 
 PrecisionT = Literal["fp32", "fp16", "bf16"]
@@ -48,25 +47,6 @@ class NSTiming:
     best_speedup: float
     flop_ratio: float
     gram_ran: bool
-
-
-def _interleaved_times(
-    fns: Sequence[Callable[[], object]], warmup: int, repeats: int, device: str = "cpu"
-) -> list[list[float]]:
-    """Seconds of each call of each function, timed alternately so that both see the same machine
-    load (the CPU may be shared; back-to-back blocks of repeats would compare different loads)."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times, strict=True):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            samples.append(time.perf_counter() - start)
-    return times
 
 
 def time_shape(
@@ -97,7 +77,7 @@ def time_shape(
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest" if precision == "fp32" else "medium")
     try:
-        standard_times, gram_times = _interleaved_times(
+        standard_times, gram_times = interleaved_times(
             [lambda: orthogonalize(x, standard), lambda: orthogonalize(x, gram)],
             warmup,
             repeats,

@@ -15,9 +15,12 @@ def quick_results():
 
 @pytest.mark.multirank
 def test_every_gpu_benchmark_section_runs_at_quick_sizes_on_cpu(quick_results):
-    for section in ("matmul", "newton_schulz", "stock", "gram", "training"):
+    for section in ("matmul", "newton_schulz", "stock", "gram", "symmetric", "training"):
         assert "error" not in quick_results[section], quick_results[section]
     assert quick_results["training"]["muon"]["ns_flops"] > 0
+    symmetric = quick_results["symmetric"]
+    assert {r["precision"] for r in symmetric} == {"medium", "highest"}
+    assert all(r["flop_ratio"] < 1 and r["symmetric_s"] > 0 for r in symmetric)
 
 
 @pytest.mark.multirank
