@@ -79,13 +79,14 @@ def _run(optimizer: str, lr: float, out: Path, args: argparse.Namespace) -> dict
 
 
 def _muon_precision_flags() -> list[str]:
-    """``--muon-fp32-matmul-prec highest`` where bf16 matmuls are slow on this CPU (said once,
-    with the rates); none elsewhere (Megatron's default, bf16 NS). The demo shows Muon against
-    AdamW, not how slowly a CPU emulates bf16; a training run keeps Megatron's default and is told
-    (``megatron_muon.pretrain``)."""
+    """``FP32_NS_FLAGS`` (``--muon-fp32-matmul-prec high``) where bf16 matmuls are slow on this
+    CPU (said once, with the rates); none elsewhere (Megatron's default, bf16 NS). The demo shows
+    Muon against AdamW, not how slowly a CPU emulates bf16; a training run keeps Megatron's default
+    and is told (``megatron_muon.pretrain``)."""
     import torch
 
     from megatron_muon.newton_schulz.matmul_rates import (
+        FP32_NS_FLAGS,
         bf16_is_slow,
         measure_matmul_rates,
         slow_bf16_message,
@@ -97,7 +98,7 @@ def _muon_precision_flags() -> list[str]:
     if not bf16_is_slow(rates):
         return []
     print(f"[demo] {slow_bf16_message(rates)} The demo passes it.", flush=True)
-    return ["--muon-fp32-matmul-prec", "highest"]
+    return list(FP32_NS_FLAGS)
 
 
 def _summary(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

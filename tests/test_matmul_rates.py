@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from megatron_muon import pretrain
+from megatron_muon.fsdp.arguments import add_muon_args
 from megatron_muon.newton_schulz import matmul_rates
 from megatron_muon.newton_schulz.matmul_rates import (
+    FP32_NS_FLAGS,
     bf16_is_slow,
     measure_matmul_rates,
     slow_bf16_message,
@@ -31,16 +33,21 @@ def test_bf16_is_slow_only_without_bf16_instructions():
 def test_the_notice_gives_the_rates_the_slowdown_and_the_flag():
     message = slow_bf16_message(ZEN3)
     assert "1.0 GFLOP/s" in message and "84.0 in fp32" in message and "~84x" in message
-    assert "--muon-fp32-matmul-prec highest" in message
+    assert " ".join(FP32_NS_FLAGS) + " (fp32 matmuls" in message
+
+
+def test_the_flag_named_is_one_megatrons_parser_accepts():
+    args = add_muon_args(argparse.ArgumentParser()).parse_args(list(FP32_NS_FLAGS))
+    assert args.muon_fp32_matmul_prec == FP32_NS_FLAGS[1]
 
 
 def test_the_entry_point_says_it_once_for_muon_at_megatrons_default_precision(monkeypatch, capsys):
     monkeypatch.setattr(matmul_rates, "measure_matmul_rates", lambda: ZEN3)
     monkeypatch.setenv("RANK", "0")
     pretrain._notice_slow_bf16(argparse.Namespace(optimizer="muon", muon_fp32_matmul_prec="medium"))
-    assert capsys.readouterr().out.count("--muon-fp32-matmul-prec highest") == 1
+    assert capsys.readouterr().out.count(" ".join(FP32_NS_FLAGS) + " (fp32") == 1
     for args in (
-        argparse.Namespace(optimizer="muon", muon_fp32_matmul_prec="highest"),
+        argparse.Namespace(optimizer="muon", muon_fp32_matmul_prec="high"),
         argparse.Namespace(optimizer="adam", muon_fp32_matmul_prec="medium"),
     ):
         pretrain._notice_slow_bf16(args)
