@@ -32,9 +32,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -48,7 +46,7 @@ from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.ideal_ratio import ideal_ratio_section, plot_ideal_ratio
 from benchmarks.launcher import run_ranks
-from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision
+from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision, device_name, git_commit
 from benchmarks.measure import growth_exponent
 from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
 from benchmarks.overlap import overlap_section
@@ -241,30 +239,6 @@ def ns_methods_section(config: BenchConfig, out_dir: Path) -> list:
     return json.loads(path.read_text())
 
 
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, 1 thread per rank"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run (~30 s)")
@@ -393,12 +367,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     results["meta"] = {
         "device": args.device,
-        "device_name": _device_name(args.device),
+        "device_name": device_name(args.device),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": args.quick,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "muon_kwargs": MUON_KWARGS,
         "warmup": config.warmup,
         "repeats": config.repeats,

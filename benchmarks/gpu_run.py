@@ -39,6 +39,7 @@ import torch.distributed as dist
 from benchmarks import gpu_targets, ns_methods
 from benchmarks.headline import owner_step
 from benchmarks.launcher import run_ranks
+from benchmarks.machine import device_name, git_commit
 from benchmarks.measure import interleaved_times, median, synchronize, timed
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import matmul_rate, stock_comparison
@@ -298,16 +299,14 @@ def main(out_dir: str, quick: bool, device: str = "cuda") -> int:
 
 
 def _meta(device: str, seconds: float) -> dict:
-    from benchmarks.__main__ import _device_name, _git_commit
-
     return {
         "device": device,
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "seconds": seconds,
         "statistics": "median of repeats after warmup",
     }

@@ -9,16 +9,21 @@ tens of times slower and the run would not finish in its time (measured: a DP=2 
 first rank starts) and into ``results.json`` (``machine``), with the rates and the reason.
 
 The ranks' library notices (Transformer Engine / Apex not installed, deprecations, Megatron-FSDP's
-device notes) are said once here and silenced in the ranks (``quiet_rank``).
+device notes) are said once here and silenced in the ranks (``quiet_rank``). ``device_name`` and
+``git_commit`` say where and on what code a run ran (``results.json``'s ``meta``, CPU and GPU runs).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import platform
+import subprocess
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from megatron_muon.newton_schulz.matmul_rates import (
     BF16_SLOW_FACTOR,
@@ -26,7 +31,7 @@ from megatron_muon.newton_schulz.matmul_rates import (
     measure_matmul_rates,
 )
 
-__all__ = ["choose_ns_precision", "quiet_rank", "LIBRARY_NOTICE"]
+__all__ = ["choose_ns_precision", "device_name", "git_commit", "quiet_rank", "LIBRARY_NOTICE"]
 
 LIBRARY_NOTICE = (
     "library warnings in the ranks (Transformer Engine / Apex not installed, deprecations, "
@@ -66,3 +71,27 @@ def quiet_rank(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
     return fn(rank, world_size, *args)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, 1 thread per rank"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
