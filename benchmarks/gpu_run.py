@@ -30,13 +30,14 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import gpu_targets, ns_methods
+from benchmarks.gpu_config import GPU, QUICK_CPU, GpuBenchConfig
 from benchmarks.headline import owner_step
 from benchmarks.launcher import run_ranks
 from benchmarks.machine import device_name, git_commit
@@ -45,62 +46,7 @@ from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import matmul_rate, stock_comparison
 from benchmarks.training_step import GPTSize, _Trainer
 
-__all__ = ["GPU", "QUICK_CPU", "GpuBenchConfig", "run", "main"]
-
-
-@dataclass(frozen=True, slots=True)
-class GpuBenchConfig:
-    """Sizes of the GPU run."""
-
-    matmul_size: int
-    ns_shapes: tuple[tuple[int, int], ...]
-    stock: TransformerShapes
-    gram_k: int
-    gram_ratios: tuple[int, ...]
-    gpt: GPTSize
-    warmup: int
-    repeats: int
-
-
-GPU = GpuBenchConfig(
-    matmul_size=8192,
-    # Hidden 4096 and 8192: attention (h, h), MLP (4h, h) and Llama-style (3.5h, h) weights.
-    ns_shapes=((4096, 4096), (16384, 4096), (8192, 8192), (28672, 8192)),
-    stock=TransformerShapes(num_layers=4, hidden=4096, ffn_hidden=16384),
-    gram_k=4096,
-    gram_ratios=(1, 4, 8),
-    # 1.07B params (Llama-3.2-1B's widths, 16 heads, untied-free: output shares the embedding).
-    gpt=GPTSize(
-        num_layers=16,
-        hidden=2048,
-        ffn_hidden=8192,
-        num_heads=16,
-        vocab_size=131072,
-        seq_length=4096,
-        micro_batch=1,
-    ),
-    warmup=3,
-    repeats=10,
-)
-
-QUICK_CPU = GpuBenchConfig(
-    matmul_size=128,
-    ns_shapes=((64, 64), (256, 64)),
-    stock=TransformerShapes(num_layers=1, hidden=64, ffn_hidden=256),
-    gram_k=32,
-    gram_ratios=(1, 4),
-    gpt=GPTSize(
-        num_layers=2,
-        hidden=64,
-        ffn_hidden=256,
-        num_heads=4,
-        vocab_size=512,
-        seq_length=32,
-        micro_batch=2,
-    ),
-    warmup=1,
-    repeats=2,
-)
+__all__ = ["run", "main"]
 
 
 # --------------------------------------------------------------------------------------------------

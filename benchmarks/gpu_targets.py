@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from benchmarks.gpu_run import GpuBenchConfig
+    from benchmarks.gpu_config import GpuBenchConfig
 
 __all__ = ["TARGETS", "ASSUMED_LINK_BYTES_PER_S", "predict", "verdicts", "format_markdown"]
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import gpu_run, gpu_targets
+from benchmarks.gpu_config import QUICK_CPU
 
 
 @pytest.fixture(scope="module")
 def quick_results():
-    return gpu_run.run("cpu", gpu_run.QUICK_CPU, log=lambda _: None)
+    return gpu_run.run("cpu", QUICK_CPU, log=lambda _: None)
 
 
 @pytest.mark.multirank
