@@ -44,7 +44,7 @@ from benchmarks.machine import device_name, git_commit
 from benchmarks.measure import interleaved_times, median, synchronize, timed
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import matmul_rate, stock_comparison
-from benchmarks.training_step import GPTSize, _Trainer
+from benchmarks.training_step import GPTSize, Trainer
 
 __all__ = ["run", "main"]
 
@@ -145,7 +145,7 @@ def training_kind(
 ) -> dict:
     """Section 5 for one optimizer kind, in a process of its own: median step and optimizer-step
     seconds, forward+backward seconds, and memory (bytes): state (before a step) and step peak."""
-    trainer = _Trainer(size, world_size, device, kind)
+    trainer = Trainer(size, world_size, device, kind)
     for _ in range(warmup):
         trainer.timed_step()
     samples = [trainer.timed_step() for _ in range(repeats)]

@@ -118,9 +118,9 @@ def counted_forward_backward_flops(rank: int, world_size: int, device: str, size
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks.training_step import _Trainer
+    from benchmarks.training_step import Trainer
 
-    trainer = _Trainer(size, world_size, device, "adamw")
+    trainer = Trainer(size, world_size, device, "adamw")
     with FlopCounterMode(display=False) as counter:
         trainer.forward_backward()
     return int(counter.get_total_flops())

@@ -27,6 +27,7 @@ from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, t
 
 __all__ = [
     "GPTSize",
+    "Trainer",
     "build_gpt",
     "muon_vs_adamw_step",
     "optimizer_config",
@@ -122,7 +123,7 @@ def build_gpt(size: GPTSize, device: str, bf16: bool):
     return config, Float16Module(config, model) if bf16 else model
 
 
-class _Trainer:
+class Trainer:
     """A wrapped GPTModel, its batch, and one optimizer kind on it."""
 
     def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
@@ -200,7 +201,7 @@ def muon_vs_adamw_step(
     rank: int, world_size: int, device: str, size: GPTSize, warmup: int, repeats: int
 ) -> dict:
     """Median whole-step and optimizer-step seconds of Muon and AdamW, alternating step by step."""
-    trainers = {kind: _Trainer(size, world_size, device, kind) for kind in KINDS}
+    trainers = {kind: Trainer(size, world_size, device, kind) for kind in KINDS}
     for _ in range(warmup):
         for trainer in trainers.values():
             trainer.timed_step()
@@ -243,7 +244,7 @@ def training_step_memory(rank: int, world_size: int, device: str, size: GPTSize,
     _load_step_kernels(device)
     probe = MemoryProbe(device)
     before_model = probe.current()
-    trainer = _Trainer(size, world_size, device, kind)
+    trainer = Trainer(size, world_size, device, kind)
     trainer.timed_step()  # a first step, as in training: every buffer exists
     dist.barrier()
     probe.start()
