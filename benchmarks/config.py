@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.models import TransformerShapes
-from benchmarks.training_step import GPTSize
+from benchmarks.models import GPTSize, TransformerShapes
 
 __all__ = ["FULL", "QUICK", "BenchConfig"]
 

@@ -21,7 +21,8 @@ import dataclasses
 from pathlib import Path
 
 from benchmarks.launcher import run_ranks
-from benchmarks.training_step import GPTSize, muon_vs_adamw_step
+from benchmarks.models import GPTSize
+from benchmarks.training_step import muon_vs_adamw_step
 
 __all__ = ["forward_backward_flops", "ideal_ratio", "ideal_ratio_section", "plot_ideal_ratio"]
 

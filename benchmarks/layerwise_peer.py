@@ -36,9 +36,10 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
+from benchmarks.models import GPTSize
 from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
-from benchmarks.training_step import GPTSize, build_gpt, optimizer_config, torch_device
+from benchmarks.training_step import build_gpt, optimizer_config, torch_device
 from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
 from megatron_muon.newton_schulz.methods import NSMethodT
 

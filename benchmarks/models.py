@@ -5,7 +5,8 @@ data-parallel group exactly as Megatron-FSDP lays them out. ``ShapeModel`` holds
 given shapes, one module per transformer layer, and ``shard_like_megatron_fsdp`` wraps it with
 ``megatron_fsdp.fully_shard_model`` (``optim_grads_params``, one FSDP unit per layer): each layer's
 weights form one flat buffer cut into DP equal parts at row boundaries, so most weights sit on one
-or two ranks and the rest are split unevenly, as in training.
+or two ranks and the rest are split unevenly, as in training. The training-step benchmarks build a
+megatron-core ``GPTModel`` of a ``GPTSize`` (``benchmarks.training_step``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "GPTSize",
     "TransformerShapes",
     "ShapeModel",
     "ShapeLayer",
@@ -61,6 +63,22 @@ class TransformerShapes:
             f"{self.num_layers} layers, hidden {self.hidden}, "
             f"{'expert ' if self.num_experts else ''}MLP {self.ffn_hidden}{moe}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class GPTSize:
+    """GPTModel size and the tokens each rank processes per step."""
+
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    num_heads: int
+    vocab_size: int
+    seq_length: int
+    micro_batch: int
+
+    def tokens_per_rank(self) -> int:
+        return self.seq_length * self.micro_batch
 
 
 class ShapeLayer(nn.Module):

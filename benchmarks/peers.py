@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.layerwise_peer import OURS_SIDES
-from benchmarks.models import TransformerShapes
+from benchmarks.models import GPTSize, TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, NS_PRECISION_ENV, sharded_params
 from benchmarks.step_counts import step_figures
-from benchmarks.training_step import GPTSize
 from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = [

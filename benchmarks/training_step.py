@@ -18,15 +18,13 @@ install of the new weights into the compute weights); the *optimizer step* is th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
+from benchmarks.models import GPTSize
 
 __all__ = [
-    "GPTSize",
     "Trainer",
     "build_gpt",
     "muon_vs_adamw_step",
@@ -36,22 +34,6 @@ __all__ = [
 ]
 
 KINDS = ("muon", "adamw")
-
-
-@dataclass(frozen=True, slots=True)
-class GPTSize:
-    """GPTModel size and the tokens each rank processes per step."""
-
-    num_layers: int
-    hidden: int
-    ffn_hidden: int
-    num_heads: int
-    vocab_size: int
-    seq_length: int
-    micro_batch: int
-
-    def tokens_per_rank(self) -> int:
-        return self.seq_length * self.micro_batch
 
 
 def optimizer_config(kind: str, bf16: bool, **overrides):
