@@ -35,30 +35,31 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from benchmarks import ns_batching, ns_methods
+from benchmarks import ns_batching
 from benchmarks.buckets import bucket_section
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.headline import headline_section
 from benchmarks.ideal_ratio import ideal_ratio_section, plot_ideal_ratio
-from benchmarks.launcher import run_ranks
 from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision, device_name, git_commit
-from benchmarks.measure import growth_exponent
-from benchmarks.optimizer_step import MUON_KWARGS, owner_vs_gather, size_scaling
+from benchmarks.memory import exchange_transient_section
+from benchmarks.ns_methods import ns_methods_section
+from benchmarks.optimizer_step import MUON_KWARGS
 from benchmarks.overlap import overlap_section
+from benchmarks.owner_vs_gather import optimizer_step_section
 from benchmarks.peers import peers_section
 from benchmarks.report import (
-    ANCHOR,
     PEERS_FIGURES,
     format_markdown,
     format_report,
     missing_figures,
 )
-from benchmarks.training_step import muon_vs_adamw_step, training_step_memory
+from benchmarks.scaling import scaling_section
+from benchmarks.stock_comparison import stock_section
+from benchmarks.training_step import training_step_section
 
 # The full run's stated time on 2 CPU cores, by the NS precision ``choose_ns_precision`` picks:
 # bf16 NS about 11 minutes measured with nothing else running (Intel); fp32 NS, where bf16 is
@@ -68,175 +69,6 @@ STATED_MINUTES = {"medium": 15, "highest": 40}
 # --------------------------------------------------------------------------------------------------
 # sections
 # --------------------------------------------------------------------------------------------------
-
-
-def _max_mean(values: list[float]) -> tuple[float, float]:
-    return max(values), statistics.fmean(values)
-
-
-def _mode_summary(results: list[dict], mode: str) -> dict:
-    """Per-rank StepStats of one mode reduced to max and mean across ranks."""
-    summary: dict[str, float] = {}
-    for field in ("ns_flops", "bytes_sent", "bytes_received", "peak_full_matrix_bytes"):
-        high, mean = _max_mean([r["stats"][mode][field] for r in results])
-        summary[f"{field}_max"], summary[f"{field}_mean"] = high, mean
-    summary["num_collectives"] = results[0]["stats"][mode]["num_collectives"]
-    summary["peak_step_bytes_max"] = max(r["peak_step_bytes"][mode] for r in results)
-    return summary
-
-
-def optimizer_step_section(config: BenchConfig, device: str, dp_sizes: list[int]) -> dict:
-    """Section 1: owner vs gather at each DP size, dense and MoE (one launch per DP size)."""
-    models = {"dense": config.dense, "moe": config.moe}
-    by_model: dict[str, dict] = {name: {} for name in models}
-    for dp in dp_sizes:
-        per_rank = run_ranks(
-            owner_vs_gather,
-            dp,
-            device,
-            models,
-            config.warmup,
-            config.repeats,
-            config.bucket_size_bytes,
-        )
-        for name in models:
-            results = [r[name] for r in per_rank]
-            # Every rank times the same barrier-to-barrier span; take the slowest rank's median.
-            owner_s = max(r["seconds"]["owner"] for r in results)
-            gather_s = max(r["seconds"]["gather"] for r in results)
-            owner = _mode_summary(results, "owner")
-            by_model[name][str(dp)] = {
-                "owner_s": owner_s,
-                "gather_s": gather_s,
-                "gather_over_owner": gather_s / owner_s,
-                "owner": owner,
-                "gather": _mode_summary(results, "gather"),
-                "owner_bucketed": _mode_summary(results, "owner_bucketed"),
-                "bucket_size_bytes": config.bucket_size_bytes,
-                "ns_flops_per_s_per_rank": owner["ns_flops_max"] / owner_s,
-            }
-    return {
-        name: {
-            "model": shapes.describe(),
-            "num_matrices": len(shapes.shapes()),
-            "num_params": shapes.num_params(),
-            "by_dp": by_model[name],
-        }
-        for name, shapes in models.items()
-    }
-
-
-def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]:
-    """Sections 2 and 4a: Muon vs AdamW whole step / optimizer step, and step peak memory."""
-    size, dp = config.gpt, config.train_dp
-    results = run_ranks(muon_vs_adamw_step, dp, device, size, config.warmup, config.repeats)
-    muon = {k: max(r["muon"][k] for r in results) for k in ("step_s", "optimizer_s")}
-    adamw = {k: max(r["adamw"][k] for r in results) for k in ("step_s", "optimizer_s")}
-    timing = {
-        "model": asdict(size),
-        "dp": dp,
-        "strategy": "optim_grads_params",
-        "optimizers": {
-            "muon": "megatron_muon.build_muon_optimizer: ShardedMuon (owner) for 2-D hidden "
-            "weights + AdamW for the rest, grad clipping 1.0",
-            "adamw": "megatron-core get_megatron_optimizer(optimizer='adam'): "
-            "DistributedOptimizer, grad clipping 1.0",
-        },
-        "tokens_per_rank": size.tokens_per_rank(),
-        "muon_step_s": muon["step_s"],
-        "adamw_step_s": adamw["step_s"],
-        "muon_over_adamw_step": muon["step_s"] / adamw["step_s"],
-        "muon_optimizer_s": muon["optimizer_s"],
-        "adamw_optimizer_s": adamw["optimizer_s"],
-        "muon_over_adamw_optimizer": muon["optimizer_s"] / adamw["optimizer_s"],
-        "muon_ns_flops_max": max(r["muon_ns_flops"] for r in results),
-        "anchor": ANCHOR,
-    }
-    memory = {"dp": dp, "measure": "RSS" if device == "cpu" else "max_memory_allocated"}
-    for kind in ("muon", "adamw"):
-        per_rank = run_ranks(training_step_memory, dp, device, size, kind)
-        # Training memory: the step's peak above the process's level before the model was built.
-        memory[f"{kind}_peak_bytes"] = max(r["step_peak"] - r["before_model"] for r in per_rank)
-        memory[f"{kind}_state_bytes"] = max(r["before_step"] - r["before_model"] for r in per_rank)
-        memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
-    memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
-    return timing, memory
-
-
-def exchange_transient_section(optimizer_step: dict, device: str) -> dict:
-    """Section 4b: a step's peak memory above its start, owner vs gather (from section 1's runs)."""
-    by_model: dict[str, dict] = {}
-    section = {
-        "measure": "live tensor bytes (profiler allocation records)"
-        if device == "cpu"
-        else "max_memory_allocated",
-        "by_model": by_model,
-    }
-    for name, model in optimizer_step.items():
-        by_model[name] = {}
-        for dp, entry in model["by_dp"].items():
-            owner, gather = entry["owner"], entry["gather"]
-            bucketed = entry["owner_bucketed"]
-            by_model[name][dp] = {
-                "owner_peak_step_bytes_max": owner["peak_step_bytes_max"],
-                "gather_peak_step_bytes_max": gather["peak_step_bytes_max"],
-                "owner_bucketed_peak_step_bytes_max": bucketed["peak_step_bytes_max"],
-                "owner_full_matrix_bytes_max": owner["peak_full_matrix_bytes_max"],
-                "gather_full_matrix_bytes_max": gather["peak_full_matrix_bytes_max"],
-                "owner_bucketed_full_matrix_bytes_max": bucketed["peak_full_matrix_bytes_max"],
-                "bucket_size_bytes": entry["bucket_size_bytes"],
-                "gather_over_owner": gather["peak_step_bytes_max"]
-                / max(1, owner["peak_step_bytes_max"]),
-            }
-    return section
-
-
-def stock_section(config: BenchConfig, headline: dict) -> dict:
-    """Section 3: ours vs TensorParallelMuon vs emerging-optimizers Muon on full params, DP = 1:
-    the headline repetition whose ours/TensorParallelMuon ratio is the median."""
-    reps = sorted(
-        headline["repetitions"], key=lambda r: r["ratios"]["ours_over_tensor_parallel_muon"]
-    )
-    seconds = reps[len(reps) // 2]["stock_s"]
-    return {
-        "model": config.dense.describe(),
-        "ours_s": seconds["ours"],
-        "tensor_parallel_muon_s": seconds["tensor_parallel_muon"],
-        "emerging_muon_s": seconds["emerging_muon"],
-        "tensor_parallel_muon_over_ours": seconds["tensor_parallel_muon"] / seconds["ours"],
-        "emerging_muon_over_ours": seconds["emerging_muon"] / seconds["ours"],
-    }
-
-
-def scaling_section(config: BenchConfig, device: str) -> dict:
-    """Section 5: owner-mode step time as the hidden size doubles; fitted exponents."""
-    dp = config.scaling_dp
-    results = run_ranks(
-        size_scaling, dp, device, list(config.scaling), config.warmup, config.repeats
-    )
-    hidden = [row["hidden"] for row in results[0]["rows"]]
-    seconds = [max(r["rows"][i]["seconds"] for r in results) for i in range(len(hidden))]
-    flops = [sum(r["rows"][i]["ns_flops"] for r in results) for i in range(len(hidden))]
-    return {
-        "dp": dp,
-        "mode": "owner",
-        "model": f"{config.scaling[0].num_layers} layer(s), MLP = 4 x hidden",
-        "hidden": hidden,
-        "seconds": seconds,
-        "ns_flops_total": flops,
-        "growth_exponent": growth_exponent(hidden, seconds),
-        "growth_exponent_last_two": growth_exponent(hidden[-2:], seconds[-2:]),
-        "ns_flops_exponent": growth_exponent(hidden, flops),
-    }
-
-
-def ns_methods_section(config: BenchConfig, out_dir: Path) -> list:
-    """Section 6: Gram vs standard NS, by ``benchmarks.ns_methods`` (its table is printed too)."""
-    path = out_dir / "ns_methods.json"
-    status = ns_methods.main([*config.ns_methods_argv, "--json", str(path)])
-    if status != 0:
-        raise RuntimeError(f"benchmarks.ns_methods exited with status {status}")
-    return json.loads(path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,8 @@ from benchmarks.launcher import run_ranks
 from benchmarks.machine import device_name, git_commit
 from benchmarks.measure import interleaved_times, median, synchronize, timed
 from benchmarks.models import GPTSize, TransformerShapes
-from benchmarks.optimizer_step import matmul_rate, stock_comparison
+from benchmarks.optimizer_step import matmul_rate
+from benchmarks.stock_comparison import stock_comparison
 from benchmarks.training_step import Trainer
 
 __all__ = ["run", "main"]

@@ -10,7 +10,7 @@ One repetition measures, in this order and with nothing else running in the benc
    the transient memory of one step and the full matrices it held at once, and where one
    profiled step's time went (Newton-Schulz, collectives, copies, the rest);
 3. ``ShardedMuon`` against megatron-core ``TensorParallelMuon`` (and emerging-optimizers ``Muon``)
-   on the same full params at DP=1, stepped in turn (``optimizer_step.stock_comparison``).
+   on the same full params at DP=1, stepped in turn (``stock_comparison.stock_comparison``).
 
 From these, per repetition:
 
@@ -36,13 +36,8 @@ import torch.distributed as dist
 from benchmarks.launcher import run_ranks
 from benchmarks.measure import median, time_split, timed
 from benchmarks.models import TransformerShapes
-from benchmarks.optimizer_step import (
-    MUON_KWARGS,
-    matmul_rate,
-    peak_step_memory,
-    sharded_params,
-    stock_comparison,
-)
+from benchmarks.optimizer_step import MUON_KWARGS, matmul_rate, peak_step_memory, sharded_params
+from benchmarks.stock_comparison import stock_comparison
 
 __all__ = ["RATIOS", "headline_section", "owner_step"]
 

@@ -24,10 +24,12 @@ import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
+from benchmarks.config import BenchConfig
 from benchmarks.measure import interleaved_times
 from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize, uses_gram
 
@@ -139,6 +141,15 @@ def format_table(timings: Sequence[NSTiming]) -> str:
             f"{t.flop_ratio:>9.2f}x  {t.gram_ran}"
         )
     return "\n".join(lines)
+
+
+def ns_methods_section(config: BenchConfig, out_dir: Path) -> list:
+    """Section 6: Gram vs standard NS, by ``benchmarks.ns_methods`` (its table is printed too)."""
+    path = out_dir / "ns_methods.json"
+    status = main([*config.ns_methods_argv, "--json", str(path)])
+    if status != 0:
+        raise RuntimeError(f"benchmarks.ns_methods exited with status {status}")
+    return json.loads(path.read_text())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,16 +1,17 @@
-"""Optimizer-step benchmarks (run inside ranks): owner vs gather, ours vs stock, growth with size.
+"""What the optimizer-step sections share (run inside ranks): Megatron-LM's Muon settings, row-shard
+params, alternating timing, transient memory, the matmul rate.
 
-Every public function here but the helpers ``sharded_params``, ``time_alternating`` and
-``peak_step_memory`` is a rank body for ``benchmarks.launcher.run_ranks``: it builds the params,
-warms up, then alternates the optimizers being compared step by step (so machine noise hits both
-alike) and returns per-rank medians and ``StepStats``. Grads are fixed random tensors: the step's
-cost does not depend on their values.
+The sections (``benchmarks.owner_vs_gather``, ``benchmarks.stock_comparison``,
+``benchmarks.scaling``, ``benchmarks.buckets``, ...) build their params with ``sharded_params``,
+warm up, then alternate the optimizers being compared step by step (``time_alternating``: machine
+noise hits both alike) and report per-rank medians and ``StepStats``. Grads are fixed random
+tensors: the step's cost does not depend on their values. ``matmul_rate`` is a rank body for
+``benchmarks.launcher.run_ranks``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -22,13 +23,10 @@ __all__ = [
     "MUON_KWARGS",
     "matmul_rate",
     "owner_step_figures",
-    "owner_vs_gather",
     "peak_step_memory",
     "sharded_params",
     "time_alternating",
     "time_samples",
-    "stock_comparison",
-    "size_scaling",
 ]
 
 # The run's NS precision: ``python -m benchmarks`` sets it from the machine's measured matmul rates
@@ -124,106 +122,6 @@ def owner_step_figures(optimizers: dict, device: str, warmup: int, repeats: int)
         }
         for name, optimizer in optimizers.items()
     }
-
-
-def owner_vs_gather(
-    rank: int,
-    world_size: int,
-    device: str,
-    models: dict[str, TransformerShapes],
-    warmup: int,
-    repeats: int,
-    bucket_size_bytes: int,
-) -> dict:
-    """ShardedMuon owner vs gather on Megatron-FSDP row shards of each model: time, stats, memory.
-
-    All models are timed first, then their memory is measured (profiled steps). Memory is also
-    measured for owner mode with ``bucket_size_bytes`` (``owner_bucketed``), the knob that bounds
-    the full matrices held at once; it is not timed.
-
-    Returns:
-        ``{model name: {"seconds", "stats", "peak_step_bytes"}}`` for this rank.
-    """
-    from megatron_muon import ShardedMuon
-
-    runs = {}
-    for name, shapes in models.items():
-        params = sharded_params(shapes, world_size, device)
-        optimizers = {
-            mode: ShardedMuon(params, mode=mode, **MUON_KWARGS) for mode in ("owner", "gather")
-        }
-        seconds = time_alternating(optimizers, device, warmup, repeats)
-        stats = {mode: asdict(opt.step_stats) for mode, opt in optimizers.items()}
-        bucketed = ShardedMuon(
-            params, mode="owner", bucket_size_bytes=bucket_size_bytes, **MUON_KWARGS
-        )
-        for _ in range(warmup):  # as the timed ones were: one-time costs stay out of its figure
-            bucketed.step()
-        optimizers["owner_bucketed"] = bucketed
-        runs[name] = {"seconds": seconds, "stats": stats, "optimizers": optimizers}
-    results = {}
-    for name, run in runs.items():
-        optimizers = run.pop("optimizers")
-        run["peak_step_bytes"] = peak_step_memory(optimizers, device)
-        run["stats"]["owner_bucketed"] = asdict(optimizers["owner_bucketed"].step_stats)
-        results[name] = run
-    return results
-
-
-def stock_comparison(
-    rank: int, world_size: int, device: str, shapes: TransformerShapes, warmup: int, repeats: int
-) -> dict:
-    """ShardedMuon vs megatron-core TensorParallelMuon vs emerging-optimizers Muon, full params.
-
-    One rank (``world_size == 1``); each optimizer has its own copy of the same params and grads.
-    """
-    from emerging_optimizers.orthogonalized_optimizers.muon import Muon
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-
-    from megatron_muon import ShardedMuon
-
-    if world_size != 1:
-        raise ValueError(f"the stock comparison runs on one rank, got {world_size}")
-    generator = torch.Generator().manual_seed(0)
-    fulls = [torch.randn(*shape, generator=generator).to(device) for shape in shapes.shapes()]
-    grads = [torch.randn(*shape, generator=generator).to(device) for shape in shapes.shapes()]
-
-    def copies() -> list[torch.nn.Parameter]:
-        params = [torch.nn.Parameter(f.clone()) for f in fulls]
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.clone()
-        return params
-
-    emerging_kwargs = {k: v for k, v in MUON_KWARGS.items() if k != "tp_mode"}
-    optimizers = {
-        "ours": ShardedMuon(copies(), **MUON_KWARGS),
-        "tensor_parallel_muon": TensorParallelMuon(copies(), **MUON_KWARGS),
-        "emerging_muon": Muon(copies(), **emerging_kwargs),
-    }
-    return {"seconds": time_alternating(optimizers, device, warmup, repeats)}
-
-
-def size_scaling(
-    rank: int,
-    world_size: int,
-    device: str,
-    shape_list: list[TransformerShapes],
-    warmup: int,
-    repeats: int,
-) -> dict:
-    """Owner-mode step seconds and NS FLOPs for each model size, on Megatron-FSDP row shards."""
-    from megatron_muon import ShardedMuon
-
-    rows = []
-    for shapes in shape_list:
-        params = sharded_params(shapes, world_size, device)
-        optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
-        seconds = time_alternating({"owner": optimizer}, device, warmup, repeats)["owner"]
-        rows.append(
-            {"hidden": shapes.hidden, "seconds": seconds, "ns_flops": optimizer.step_stats.ns_flops}
-        )
-        del optimizer, params
-    return {"rows": rows}
 
 
 def matmul_rate(rank: int, world_size: int, device: str, size: int, repeats: int) -> dict:

@@ -15,15 +15,12 @@ from benchmarks.headline import format_headline
 from benchmarks.ns_batching import format_batching
 
 __all__ = [
-    "ANCHOR",
     "PEERS_FIGURES",
     "REQUIRED_FIGURES",
     "format_markdown",
     "format_report",
     "missing_figures",
 ]
-
-ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
 
 
 def _mb(value: float) -> str:

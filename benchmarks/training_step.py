@@ -18,9 +18,13 @@ install of the new weights into the compute weights); the *optimizer step* is th
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 import torch.distributed as dist
 
+from benchmarks.config import BenchConfig
+from benchmarks.launcher import run_ranks
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
 from benchmarks.models import GPTSize
 
@@ -31,9 +35,12 @@ __all__ = [
     "optimizer_config",
     "torch_device",
     "training_step_memory",
+    "training_step_section",
 ]
 
 KINDS = ("muon", "adamw")
+# What the Muon/AdamW step ratio is read against (results.json's training_step.anchor).
+ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slower than Adam"
 
 
 def optimizer_config(kind: str, bf16: bool, **overrides):
@@ -236,3 +243,40 @@ def training_step_memory(rank: int, world_size: int, device: str, size: GPTSize,
         "before_step": probe.baseline,
         "step_peak": probe.peak(),
     }
+
+
+def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]:
+    """Sections 2 and 4a: Muon vs AdamW whole step / optimizer step, and step peak memory."""
+    size, dp = config.gpt, config.train_dp
+    results = run_ranks(muon_vs_adamw_step, dp, device, size, config.warmup, config.repeats)
+    muon = {k: max(r["muon"][k] for r in results) for k in ("step_s", "optimizer_s")}
+    adamw = {k: max(r["adamw"][k] for r in results) for k in ("step_s", "optimizer_s")}
+    timing = {
+        "model": asdict(size),
+        "dp": dp,
+        "strategy": "optim_grads_params",
+        "optimizers": {
+            "muon": "megatron_muon.build_muon_optimizer: ShardedMuon (owner) for 2-D hidden "
+            "weights + AdamW for the rest, grad clipping 1.0",
+            "adamw": "megatron-core get_megatron_optimizer(optimizer='adam'): "
+            "DistributedOptimizer, grad clipping 1.0",
+        },
+        "tokens_per_rank": size.tokens_per_rank(),
+        "muon_step_s": muon["step_s"],
+        "adamw_step_s": adamw["step_s"],
+        "muon_over_adamw_step": muon["step_s"] / adamw["step_s"],
+        "muon_optimizer_s": muon["optimizer_s"],
+        "adamw_optimizer_s": adamw["optimizer_s"],
+        "muon_over_adamw_optimizer": muon["optimizer_s"] / adamw["optimizer_s"],
+        "muon_ns_flops_max": max(r["muon_ns_flops"] for r in results),
+        "anchor": ANCHOR,
+    }
+    memory = {"dp": dp, "measure": "RSS" if device == "cpu" else "max_memory_allocated"}
+    for kind in ("muon", "adamw"):
+        per_rank = run_ranks(training_step_memory, dp, device, size, kind)
+        # Training memory: the step's peak above the process's level before the model was built.
+        memory[f"{kind}_peak_bytes"] = max(r["step_peak"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_state_bytes"] = max(r["before_step"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
+    memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
+    return timing, memory

@@ -1,0 +1,121 @@
+"""Section 1: ``ShardedMuon`` owner vs gather at DP = 1, 2, 4 on Megatron-FSDP row shards of the
+dense and MoE models: step time, per-rank NS FLOPs and bytes sent (max and mean over ranks), and
+each mode's transient memory (read by ``benchmarks.memory``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+from benchmarks.config import BenchConfig
+from benchmarks.launcher import run_ranks
+from benchmarks.models import TransformerShapes
+from benchmarks.optimizer_step import (
+    MUON_KWARGS,
+    peak_step_memory,
+    sharded_params,
+    time_alternating,
+)
+
+__all__ = ["optimizer_step_section", "owner_vs_gather"]
+
+
+def owner_vs_gather(
+    rank: int,
+    world_size: int,
+    device: str,
+    models: dict[str, TransformerShapes],
+    warmup: int,
+    repeats: int,
+    bucket_size_bytes: int,
+) -> dict:
+    """ShardedMuon owner vs gather on Megatron-FSDP row shards of each model: time, stats, memory.
+
+    All models are timed first, then their memory is measured (profiled steps). Memory is also
+    measured for owner mode with ``bucket_size_bytes`` (``owner_bucketed``), the knob that bounds
+    the full matrices held at once; it is not timed.
+
+    Returns:
+        ``{model name: {"seconds", "stats", "peak_step_bytes"}}`` for this rank.
+    """
+    from megatron_muon import ShardedMuon
+
+    runs = {}
+    for name, shapes in models.items():
+        params = sharded_params(shapes, world_size, device)
+        optimizers = {
+            mode: ShardedMuon(params, mode=mode, **MUON_KWARGS) for mode in ("owner", "gather")
+        }
+        seconds = time_alternating(optimizers, device, warmup, repeats)
+        stats = {mode: asdict(opt.step_stats) for mode, opt in optimizers.items()}
+        bucketed = ShardedMuon(
+            params, mode="owner", bucket_size_bytes=bucket_size_bytes, **MUON_KWARGS
+        )
+        for _ in range(warmup):  # as the timed ones were: one-time costs stay out of its figure
+            bucketed.step()
+        optimizers["owner_bucketed"] = bucketed
+        runs[name] = {"seconds": seconds, "stats": stats, "optimizers": optimizers}
+    results = {}
+    for name, run in runs.items():
+        optimizers = run.pop("optimizers")
+        run["peak_step_bytes"] = peak_step_memory(optimizers, device)
+        run["stats"]["owner_bucketed"] = asdict(optimizers["owner_bucketed"].step_stats)
+        results[name] = run
+    return results
+
+
+def _max_mean(values: list[float]) -> tuple[float, float]:
+    return max(values), statistics.fmean(values)
+
+
+def _mode_summary(results: list[dict], mode: str) -> dict:
+    """Per-rank StepStats of one mode reduced to max and mean across ranks."""
+    summary: dict[str, float] = {}
+    for field in ("ns_flops", "bytes_sent", "bytes_received", "peak_full_matrix_bytes"):
+        high, mean = _max_mean([r["stats"][mode][field] for r in results])
+        summary[f"{field}_max"], summary[f"{field}_mean"] = high, mean
+    summary["num_collectives"] = results[0]["stats"][mode]["num_collectives"]
+    summary["peak_step_bytes_max"] = max(r["peak_step_bytes"][mode] for r in results)
+    return summary
+
+
+def optimizer_step_section(config: BenchConfig, device: str, dp_sizes: list[int]) -> dict:
+    """Section 1: owner vs gather at each DP size, dense and MoE (one launch per DP size)."""
+    models = {"dense": config.dense, "moe": config.moe}
+    by_model: dict[str, dict] = {name: {} for name in models}
+    for dp in dp_sizes:
+        per_rank = run_ranks(
+            owner_vs_gather,
+            dp,
+            device,
+            models,
+            config.warmup,
+            config.repeats,
+            config.bucket_size_bytes,
+        )
+        for name in models:
+            results = [r[name] for r in per_rank]
+            # Every rank times the same barrier-to-barrier span; take the slowest rank's median.
+            owner_s = max(r["seconds"]["owner"] for r in results)
+            gather_s = max(r["seconds"]["gather"] for r in results)
+            owner = _mode_summary(results, "owner")
+            by_model[name][str(dp)] = {
+                "owner_s": owner_s,
+                "gather_s": gather_s,
+                "gather_over_owner": gather_s / owner_s,
+                "owner": owner,
+                "gather": _mode_summary(results, "gather"),
+                "owner_bucketed": _mode_summary(results, "owner_bucketed"),
+                "bucket_size_bytes": config.bucket_size_bytes,
+                "ns_flops_per_s_per_rank": owner["ns_flops_max"] / owner_s,
+            }
+    return {
+        name: {
+            "model": shapes.describe(),
+            "num_matrices": len(shapes.shapes()),
+            "num_params": shapes.num_params(),
+            "by_dp": by_model[name],
+        }
+        for name, shapes in models.items()
+    }
