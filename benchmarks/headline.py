@@ -234,3 +234,37 @@ def format_headline(section: dict) -> list[str]:
             *rows,
         ]
     return lines
+
+
+def ns_rate_report_lines(results: dict) -> list[str]:
+    """The measured matmul rate and section 1's owner-mode NS rate, in the terminal table."""
+    peak = results["matmul_peak"]
+    return [
+        "",
+        f"NS rate: measured {peak['dtype']} matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s "
+        "per rank "
+        f"({peak['size']}^3); owner-mode NS TFLOP/s per rank (dense, incl. communication): "
+        + ", ".join(
+            f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f}"
+            for dp, e in results["optimizer_step"]["dense"]["by_dp"].items()
+        ),
+    ]
+
+
+def ns_rate_markdown_lines(results: dict) -> list[str]:
+    """The same as Markdown, with each NS rate as a fraction of the matmul rate."""
+    peak = results["matmul_peak"]
+    dense = results["optimizer_step"]["dense"]["by_dp"]
+    return [
+        f"NS rate: measured {peak['dtype']} matmul {peak['flops_per_s'] / 1e12:.3f} TFLOP/s "
+        "per rank "
+        f"({peak['size']}^3); owner-mode NS TFLOP/s per rank, dense model, communication "
+        "included: "
+        + ", ".join(
+            f"DP={dp} {e['ns_flops_per_s_per_rank'] / 1e12:.3f} "
+            f"({e['ns_flops_per_s_per_rank'] / peak['flops_per_s']:.0%} of the matmul rate)"
+            for dp, e in dense.items()
+        )
+        + ".",
+        "",
+    ]

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.config import BenchConfig
 from benchmarks.measure import interleaved_times
+from benchmarks.tables import table
 from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize, uses_gram
 
 PrecisionT = Literal["fp32", "fp16", "bf16"]
@@ -150,6 +151,34 @@ def ns_methods_section(config: BenchConfig, out_dir: Path) -> list:
     if status != 0:
         raise RuntimeError(f"benchmarks.ns_methods exited with status {status}")
     return json.loads(path.read_text())
+
+
+def _ns_cell(column: str, value: object) -> str:
+    if isinstance(value, float) and column.endswith("_s"):
+        return f"{value * 1e3:.2f}"
+    if isinstance(value, float):
+        return f"{value:.2f}x" if "speedup" in column or "ratio" in column else f"{value:.3g}"
+    if isinstance(value, list):
+        return str(tuple(value))
+    return str(value)
+
+
+def report_lines(results: dict) -> list[str]:
+    """Section 6 in the terminal table: a pointer to the table the run printed."""
+    return ["6. Gram vs standard NS: the benchmarks.ns_methods table above"]
+
+
+def markdown_lines(results: dict) -> list[str]:
+    """Section 6 as Markdown."""
+    out = ["**6. Gram vs standard Newton-Schulz** (`benchmarks.ns_methods`, one thread)", ""]
+    # Columns as benchmarks.ns_methods writes them (its own module owns their meaning).
+    timings = results["ns_methods"]
+    columns = list(timings[0]) if timings else []
+    out += table(
+        [c.removesuffix("_s") + " ms" if c.endswith("_s") else c for c in columns],
+        [[_ns_cell(column, t[column]) for column in columns] for t in timings],
+    )
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

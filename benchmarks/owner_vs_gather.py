@@ -17,6 +17,7 @@ from benchmarks.optimizer_step import (
     sharded_params,
     time_alternating,
 )
+from benchmarks.tables import gflop, table
 
 __all__ = ["optimizer_step_section", "owner_vs_gather"]
 
@@ -119,3 +120,73 @@ def optimizer_step_section(config: BenchConfig, device: str, dp_sizes: list[int]
         }
         for name, shapes in models.items()
     }
+
+
+def report_lines(results: dict) -> list[str]:
+    """Section 1 in the terminal table."""
+    lines = ["1. Muon optimizer step, owner vs gather (median s; per-rank NS GFLOP, MiB sent)"]
+    header = (
+        f"{'model':>6} {'DP':>3} {'owner s':>9} {'gather s':>9} {'g/o':>6} "
+        f"{'NS GF max/mean (owner)':>23} {'NS GF (gather)':>15} "
+        f"{'sent MiB max/mean (owner)':>26} {'sent MiB (gather)':>18}"
+    )
+    lines.append(header)
+    for name, model in results["optimizer_step"].items():
+        for dp, e in model["by_dp"].items():
+            o, g = e["owner"], e["gather"]
+            lines.append(
+                f"{name:>6} {dp:>3} {e['owner_s']:>9.3f} {e['gather_s']:>9.3f} "
+                f"{e['gather_over_owner']:>5.2f}x "
+                f"{gflop(o['ns_flops_max']) + ' / ' + gflop(o['ns_flops_mean']):>23} "
+                f"{gflop(g['ns_flops_max']):>15} "
+                f"{o['bytes_sent_max'] / 2**20:>12.1f} / {o['bytes_sent_mean'] / 2**20:<11.1f} "
+                f"{g['bytes_sent_max'] / 2**20:>18.1f}"
+            )
+    for name, model in results["optimizer_step"].items():
+        lines.append(f"   {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
+    lines.append("")
+    return lines
+
+
+def markdown_lines(results: dict) -> list[str]:
+    """Section 1 as Markdown: one table row per model and DP size."""
+    out = [
+        "**1. Muon optimizer step, owner vs gather** (per-rank NS GFLOP and MiB sent: max / mean "
+        "over ranks)",
+        "",
+    ]
+    rows = []
+    for name, model in results["optimizer_step"].items():
+        for dp, e in model["by_dp"].items():
+            o, g = e["owner"], e["gather"]
+            rows.append(
+                [
+                    name,
+                    dp,
+                    f"{e['owner_s']:.3f}",
+                    f"{e['gather_s']:.3f}",
+                    f"**{e['gather_over_owner']:.2f}x**",
+                    f"{gflop(o['ns_flops_max'])} / {gflop(o['ns_flops_mean'])}",
+                    f"{gflop(g['ns_flops_max'])}",
+                    f"{o['bytes_sent_max'] / 2**20:.1f} / {o['bytes_sent_mean'] / 2**20:.1f}",
+                    f"{g['bytes_sent_max'] / 2**20:.1f}",
+                ]
+            )
+    out += table(
+        [
+            "model",
+            "DP",
+            "owner s",
+            "gather s",
+            "gather/owner",
+            "NS GFLOP owner",
+            "NS GFLOP gather",
+            "MiB sent owner",
+            "MiB sent gather",
+        ],
+        rows,
+    )
+    for name, model in results["optimizer_step"].items():
+        out.append(f"- {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
+    out.append("")
+    return out

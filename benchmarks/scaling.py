@@ -7,6 +7,7 @@ from benchmarks.launcher import run_ranks
 from benchmarks.measure import growth_exponent
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, sharded_params, time_alternating
+from benchmarks.tables import gflop, table
 
 __all__ = ["scaling_section", "size_scaling"]
 
@@ -54,3 +55,37 @@ def scaling_section(config: BenchConfig, device: str) -> dict:
         "growth_exponent_last_two": growth_exponent(hidden[-2:], seconds[-2:]),
         "ns_flops_exponent": growth_exponent(hidden, flops),
     }
+
+
+def report_lines(results: dict) -> list[str]:
+    """Section 5 in the terminal table."""
+    sc = results["scaling"]
+    lines = [f"5. Owner-mode step vs hidden size (DP={sc['dp']}, {sc['model']})"]
+    for h, sec in zip(sc["hidden"], sc["seconds"], strict=True):
+        lines.append(f"   hidden {h:>5}: {sec:.4f} s")
+    lines.append(
+        f"   growth exponent: {sc['growth_exponent']:.2f} over all sizes, "
+        f"{sc['growth_exponent_last_two']:.2f} over the last two (NS FLOPs grow as "
+        f"hidden^{sc['ns_flops_exponent']:.2f})"
+    )
+    return lines
+
+
+def markdown_lines(results: dict) -> list[str]:
+    """Section 5 as Markdown."""
+    sc = results["scaling"]
+    out = [f"**5. Owner-mode step vs hidden size** (DP={sc['dp']}, {sc['model']})", ""]
+    out += table(
+        ["hidden", "step s", "NS GFLOP (all ranks)"],
+        [
+            [h, f"{sec:.4f}", gflop(fl)]
+            for h, sec, fl in zip(sc["hidden"], sc["seconds"], sc["ns_flops_total"], strict=True)
+        ],
+    )
+    out.append(
+        f"Growth exponent (time ~ hidden^k): k = {sc['growth_exponent']:.2f} over all sizes, "
+        f"{sc['growth_exponent_last_two']:.2f} over the last two; NS FLOPs grow as "
+        f"hidden^{sc['ns_flops_exponent']:.2f}."
+    )
+    out.append("")
+    return out

@@ -9,6 +9,7 @@ import torch
 from benchmarks.config import BenchConfig
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, time_alternating
+from benchmarks.tables import table
 
 __all__ = ["stock_comparison", "stock_section"]
 
@@ -61,3 +62,39 @@ def stock_section(config: BenchConfig, headline: dict) -> dict:
         "tensor_parallel_muon_over_ours": seconds["tensor_parallel_muon"] / seconds["ours"],
         "emerging_muon_over_ours": seconds["emerging_muon"] / seconds["ours"],
     }
+
+
+def report_lines(results: dict) -> list[str]:
+    """Section 3 in the terminal table."""
+    s = results["stock_comparison"]
+    return [
+        f"3. Muon step on full params, DP=1 ({s['model']})",
+        f"   ours {s['ours_s']:.3f} s, megatron-core TensorParallelMuon "
+        f"{s['tensor_parallel_muon_s']:.3f} s ({s['tensor_parallel_muon_over_ours']:.2f}x ours), "
+        f"emerging-optimizers Muon {s['emerging_muon_s']:.3f} s "
+        f"({s['emerging_muon_over_ours']:.2f}x ours)",
+        "",
+    ]
+
+
+def markdown_lines(results: dict) -> list[str]:
+    """Section 3 as Markdown."""
+    s = results["stock_comparison"]
+    out = [f"**3. Muon step on full params, DP=1** ({s['model']})", ""]
+    out += table(
+        ["implementation", "step s", "time / ours"],
+        [
+            ["megatron-muon ShardedMuon", f"{s['ours_s']:.3f}", "1.00x"],
+            [
+                "megatron-core TensorParallelMuon",
+                f"{s['tensor_parallel_muon_s']:.3f}",
+                f"{s['tensor_parallel_muon_over_ours']:.2f}x",
+            ],
+            [
+                "emerging-optimizers Muon",
+                f"{s['emerging_muon_s']:.3f}",
+                f"{s['emerging_muon_over_ours']:.2f}x",
+            ],
+        ],
+    )
+    return out

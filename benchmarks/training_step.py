@@ -27,6 +27,7 @@ from benchmarks.config import BenchConfig
 from benchmarks.launcher import run_ranks
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
 from benchmarks.models import GPTSize
+from benchmarks.tables import table
 
 __all__ = [
     "Trainer",
@@ -280,3 +281,48 @@ def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]
         memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
     memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
     return timing, memory
+
+
+def report_lines(results: dict) -> list[str]:
+    """Section 2 in the terminal table."""
+    t = results["training_step"]
+    return [
+        f"2. Training step, Muon vs AdamW (GPTModel, Megatron-FSDP {t['strategy']}, DP={t['dp']}, "
+        f"{t['tokens_per_rank']} tokens/rank)",
+        f"   whole step: Muon {t['muon_step_s']:.3f} s, AdamW {t['adamw_step_s']:.3f} s, "
+        f"Muon/AdamW {t['muon_over_adamw_step']:.2f}x",
+        f"   optimizer step: Muon {t['muon_optimizer_s']:.3f} s, AdamW "
+        f"{t['adamw_optimizer_s']:.3f} s, Muon/AdamW {t['muon_over_adamw_optimizer']:.2f}x",
+        f"   anchor: {t['anchor']}",
+        "",
+    ]
+
+
+def markdown_lines(results: dict) -> list[str]:
+    """Section 2 as Markdown."""
+    t = results["training_step"]
+    out = [
+        f"**2. Training step, Muon vs AdamW** (GPTModel {t['model']['num_layers']} layers, "
+        f"hidden {t['model']['hidden']}, FFN {t['model']['ffn_hidden']}, "
+        f"vocab {t['model']['vocab_size']}; "
+        f"Megatron-FSDP {t['strategy']}, DP={t['dp']}, {t['tokens_per_rank']} tokens per rank)",
+        "",
+    ]
+    out += table(
+        ["", "Muon s", "AdamW s", "Muon/AdamW"],
+        [
+            [
+                "whole step",
+                f"{t['muon_step_s']:.3f}",
+                f"{t['adamw_step_s']:.3f}",
+                f"**{t['muon_over_adamw_step']:.2f}x**",
+            ],
+            [
+                "optimizer step",
+                f"{t['muon_optimizer_s']:.3f}",
+                f"{t['adamw_optimizer_s']:.3f}",
+                f"**{t['muon_over_adamw_optimizer']:.2f}x**",
+            ],
+        ],
+    )
+    return out
