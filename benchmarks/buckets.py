@@ -13,8 +13,9 @@ from __future__ import annotations
 from benchmarks.launcher import run_ranks
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, owner_step_figures, sharded_params
+from benchmarks.section import RunContext, Section
 
-__all__ = ["bucket_section", "bucket_sweep", "format_buckets"]
+__all__ = ["SECTION", "bucket_section", "bucket_sweep", "format_buckets"]
 
 SLOWDOWN_BOUND = 1.05
 
@@ -102,3 +103,23 @@ def format_buckets(section: dict) -> list[str]:
     best = _label(section["least_memory_within_5_percent"])
     lines += ["", f"Least transient memory within 5% of one bucket's time in this run: {best}."]
     return lines
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    config = context.config
+    return bucket_section(
+        config.dense, context.device, config.bucket_sizes, config.warmup, config.repeats
+    )
+
+
+def _lines(results: dict) -> list[str]:
+    return [*format_buckets(results["buckets"]), ""]
+
+
+SECTION = Section(
+    key="buckets",
+    run=_run,
+    figures=("buckets.by_bucket", "buckets.least_memory_within_5_percent"),
+    report=_lines,
+    markdown=_lines,
+)

@@ -22,7 +22,9 @@ From these, per repetition:
 - ``dp1_over_dp2``: the DP=1 owner step time over the DP=2 one on the same model.
 
 Each ratio is reported as the median of the repetitions with its range; the machine's load
-average is read before and after.
+average is read before and after. Two sections of ``python -m benchmarks``: ``SECTION`` (the
+ratios) and ``MATMUL_PEAK`` (the repetitions' median matmul rate, shown against section 1's NS
+rate); section 3 (``benchmarks.stock_comparison``) reads the repetitions too.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from benchmarks.launcher import run_ranks
 from benchmarks.measure import median, time_split, timed
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, matmul_rate, peak_step_memory, sharded_params
+from benchmarks.section import RunContext, Section
 from benchmarks.stock_comparison import stock_comparison
 
-__all__ = ["RATIOS", "headline_section", "owner_step"]
+__all__ = ["MATMUL_PEAK", "RATIOS", "SECTION", "headline_section", "owner_step"]
 
 # name -> (what it is, target as (comparison, bound))
 RATIOS = {
@@ -268,3 +271,51 @@ def ns_rate_markdown_lines(results: dict) -> list[str]:
         + ".",
         "",
     ]
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    config = context.config
+    return headline_section(
+        config.dense, context.device, config.warmup, config.repeats, config.matmul_size
+    )
+
+
+def _lines(results: dict) -> list[str]:
+    return [*format_headline(results["headline"]), ""]
+
+
+SECTION = Section(
+    key="headline",
+    run=_run,
+    figures=(
+        *(f"headline.ratios.{name}.median" for name in RATIOS),
+        *(f"headline.ratios.{name}.values" for name in RATIOS),
+        "headline.load_average_before",
+        "headline.load_average_after",
+    ),
+    report=_lines,
+    markdown=_lines,
+)
+
+
+def matmul_peak(context: RunContext, results: dict) -> dict:
+    """The run's matmul rate: the median of the headline repetitions' rates."""
+    headline = results["headline"]
+    rates = [r["matmul_flops_per_s"] for r in headline["repetitions"]]
+    return {
+        "dtype": headline["repetitions"][0].get("matmul_dtype", "bfloat16"),
+        "size": headline["matmul_size"],
+        "flops_per_s": statistics.median(rates),
+        "measured": "median of the headline repetitions' rates",
+    }
+
+
+# Shown after section 5: the owner step's NS rate (section 1) as a fraction of this rate.
+MATMUL_PEAK = Section(
+    key="matmul_peak",
+    run=matmul_peak,
+    figures=("matmul_peak.flops_per_s",),
+    report=ns_rate_report_lines,
+    markdown=ns_rate_markdown_lines,
+    derived=True,
+)

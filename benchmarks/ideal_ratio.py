@@ -22,9 +22,16 @@ from pathlib import Path
 
 from benchmarks.launcher import run_ranks
 from benchmarks.models import GPTSize
+from benchmarks.section import RunContext, Section
 from benchmarks.training_step import muon_vs_adamw_step
 
-__all__ = ["forward_backward_flops", "ideal_ratio", "ideal_ratio_section", "plot_ideal_ratio"]
+__all__ = [
+    "SECTION",
+    "forward_backward_flops",
+    "ideal_ratio",
+    "ideal_ratio_section",
+    "plot_ideal_ratio",
+]
 
 
 def forward_backward_flops(size: GPTSize) -> int:
@@ -125,3 +132,27 @@ def counted_forward_backward_flops(rank: int, world_size: int, device: str, size
     with FlopCounterMode(display=False) as counter:
         trainer.forward_backward()
     return int(counter.get_total_flops())
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    config = context.config
+    section = ideal_ratio_section(
+        config.gpt,
+        config.ideal_ratio_micro_batches,
+        config.train_dp,
+        context.device,
+        config.warmup,
+        config.repeats,
+    )
+    section["plot"] = plot_ideal_ratio(section, context.out_dir)
+    return section
+
+
+# No lines of its own: docs/benchmarks.md ("Whole step over its ideal ratio") tabulates
+# results.json and shows the plot.
+SECTION = Section(
+    key="ideal_ratio",
+    run=_run,
+    figures=("ideal_ratio.rows", "ideal_ratio.largest_tokens_measured_over_ideal"),
+    peers=True,
+)

@@ -1,12 +1,31 @@
-"""Section 4: memory. A training step's peak, Muon vs AdamW (``benchmarks.training_step``), and the
-optimizer step's transient memory, owner vs gather (from section 1's runs).
+"""Section 4: memory. A training step's peak, Muon vs AdamW, each kind in processes of its own
+(``benchmarks.training_step.training_step_memory``), and the optimizer step's transient memory,
+owner vs gather (from section 1's runs, ``benchmarks.owner_vs_gather``).
 """
 
 from __future__ import annotations
 
+from benchmarks.config import BenchConfig
+from benchmarks.launcher import run_ranks
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import mib, table
+from benchmarks.training_step import training_step_memory
 
-__all__ = ["exchange_transient_section"]
+__all__ = ["SECTION", "exchange_transient_section", "training_memory_section"]
+
+
+def training_memory_section(config: BenchConfig, device: str) -> dict:
+    """Section 4a: a training step's peak memory, Muon vs AdamW (max over ranks)."""
+    size, dp = config.gpt, config.train_dp
+    memory = {"dp": dp, "measure": "RSS" if device == "cpu" else "max_memory_allocated"}
+    for kind in ("muon", "adamw"):
+        per_rank = run_ranks(training_step_memory, dp, device, size, kind)
+        # Training memory: the step's peak above the process's level before the model was built.
+        memory[f"{kind}_peak_bytes"] = max(r["step_peak"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_state_bytes"] = max(r["before_step"] - r["before_model"] for r in per_rank)
+        memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
+    memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
+    return memory
 
 
 def exchange_transient_section(optimizer_step: dict, device: str) -> dict:
@@ -128,3 +147,35 @@ def markdown_lines(results: dict) -> list[str]:
         rows,
     )
     return out
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    return {
+        "training_step": training_memory_section(context.config, context.device),
+        "exchange_transient": exchange_transient_section(results["optimizer_step"], context.device),
+    }
+
+
+SECTION = Section(
+    key="memory",
+    run=_run,
+    figures=(
+        "memory.training_step.muon_peak_bytes",
+        "memory.training_step.adamw_peak_bytes",
+        "memory.training_step.muon_over_adamw",
+        "memory.exchange_transient.measure",
+        *(
+            f"memory.exchange_transient.by_model.*.*.{figure}"
+            for figure in (
+                "owner_peak_step_bytes_max",
+                "gather_peak_step_bytes_max",
+                "owner_full_matrix_bytes_max",
+                "gather_full_matrix_bytes_max",
+                "gather_over_owner",
+                "owner_bucketed_peak_step_bytes_max",
+            )
+        ),
+    ),
+    report=report_lines,
+    markdown=markdown_lines,
+)

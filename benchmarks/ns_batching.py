@@ -15,7 +15,9 @@ import time
 
 import torch
 
-__all__ = ["SHAPES", "batching_rows", "format_batching", "main"]
+from benchmarks.section import RunContext, Section
+
+__all__ = ["SECTION", "SHAPES", "batching_rows", "format_batching", "main"]
 
 # (rows, cols, batch): the dense and MoE benchmark models' Muon matrices, and smaller ones.
 SHAPES = (
@@ -107,6 +109,19 @@ def format_batching(rows: list[dict]) -> list[str]:
             f"{'yes' if r['batched_on_cpu'] else 'no'} |"
         )
     return lines
+
+
+def _run(context: RunContext, results: dict) -> list[dict]:
+    return batching_rows(QUICK_SHAPES if context.quick else SHAPES)
+
+
+SECTION = Section(
+    key="ns_batching",
+    run=_run,
+    figures=("ns_batching",),
+    report=lambda results: format_batching(results["ns_batching"]),
+    markdown=lambda results: [*format_batching(results["ns_batching"]), ""],
+)
 
 
 def main(argv: list[str] | None = None) -> int:

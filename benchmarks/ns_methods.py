@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.config import BenchConfig
 from benchmarks.measure import interleaved_times
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import table
 from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize, uses_gram
 
@@ -206,6 +207,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump([asdict(t) for t in timings], f, indent=2)
     return 0
+
+
+def _run(context: RunContext, results: dict) -> list:
+    return ns_methods_section(context.config, context.out_dir)
+
+
+SECTION = Section(
+    key="ns_methods",
+    run=_run,
+    figures=("ns_methods",),
+    report=report_lines,
+    markdown=markdown_lines,
+)
 
 
 if __name__ == "__main__":

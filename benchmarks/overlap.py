@@ -14,8 +14,9 @@ from __future__ import annotations
 from benchmarks.launcher import run_ranks
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, owner_step_figures, sharded_params
+from benchmarks.section import RunContext, Section
 
-__all__ = ["overlap_pair", "overlap_section"]
+__all__ = ["SECTION", "overlap_pair", "overlap_section"]
 
 PIPELINES = {"sequential": False, "overlapped": True}
 
@@ -84,3 +85,28 @@ def overlap_section(
         "default_overlap_buckets": MuonFsdpConfig().overlap_buckets,
         "by_dp": by_dp,
     }
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    config = context.config
+    return overlap_section(
+        config.dense,
+        context.device,
+        context.dp_sizes,
+        config.overlap_bucket_size_bytes,
+        config.warmup,
+        config.repeats,
+    )
+
+
+# No lines of its own: docs/benchmarks.md ("Overlap of the exchange with NS") tabulates
+# results.json.
+SECTION = Section(
+    key="overlap",
+    run=_run,
+    figures=(
+        "overlap.by_dp.*.overlapped_over_sequential_s",
+        "overlap.by_dp.*.overlapped_over_sequential_transient",
+    ),
+    peers=True,
+)

@@ -17,9 +17,10 @@ from benchmarks.optimizer_step import (
     sharded_params,
     time_alternating,
 )
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import gflop, table
 
-__all__ = ["optimizer_step_section", "owner_vs_gather"]
+__all__ = ["SECTION", "optimizer_step_section", "owner_vs_gather"]
 
 
 def owner_vs_gather(
@@ -190,3 +191,43 @@ def markdown_lines(results: dict) -> list[str]:
         out.append(f"- {name}: {model['model']} ({model['num_matrices']} Muon matrices)")
     out.append("")
     return out
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    return optimizer_step_section(context.config, context.device, context.dp_sizes)
+
+
+SECTION = Section(
+    key="optimizer_step",
+    run=_run,
+    figures=(
+        *(
+            f"optimizer_step.dense.by_dp.*.{figure}"
+            for figure in (
+                "owner_s",
+                "gather_s",
+                "gather_over_owner",
+                "owner.ns_flops_max",
+                "owner.ns_flops_mean",
+                "owner.bytes_sent_max",
+                "owner.bytes_sent_mean",
+                "gather.ns_flops_max",
+                "gather.bytes_sent_max",
+                "ns_flops_per_s_per_rank",
+            )
+        ),
+        *(
+            f"optimizer_step.moe.by_dp.*.{figure}"
+            for figure in (
+                "owner_s",
+                "gather_s",
+                "gather_over_owner",
+                "owner.ns_flops_max",
+                "owner.bytes_sent_max",
+                "owner.bytes_sent_mean",
+            )
+        ),
+    ),
+    report=report_lines,
+    markdown=markdown_lines,
+)

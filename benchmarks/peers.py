@@ -27,10 +27,12 @@ import torch.distributed as dist
 from benchmarks.layerwise_peer import OURS_SIDES
 from benchmarks.models import GPTSize, TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, NS_PRECISION_ENV, sharded_params
+from benchmarks.section import RunContext, Section
 from benchmarks.step_counts import step_figures
 from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
 
 __all__ = [
+    "SECTION",
     "peer_exactness",
     "peer_import_errors",
     "peer_step_times",
@@ -305,3 +307,24 @@ def peers_section(
         "rows": rows,
         "step_times": timings,
     }
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    config = context.config
+    return peers_section(
+        config.dense,
+        config.gpt,
+        context.device,
+        context.dp_sizes,
+        config.warmup,
+        config.peer_repeats,
+    )
+
+
+# No lines of its own: docs/benchmarks.md ("Peers") tabulates results.json.
+SECTION = Section(
+    key="peers",
+    run=_run,
+    figures=("peers.rows", "peers.step_times.*.ours.seconds"),
+    peers=True,
+)

@@ -7,9 +7,10 @@ from benchmarks.launcher import run_ranks
 from benchmarks.measure import growth_exponent
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, sharded_params, time_alternating
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import gflop, table
 
-__all__ = ["scaling_section", "size_scaling"]
+__all__ = ["SECTION", "scaling_section", "size_scaling"]
 
 
 def size_scaling(
@@ -89,3 +90,16 @@ def markdown_lines(results: dict) -> list[str]:
     )
     out.append("")
     return out
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    return scaling_section(context.config, context.device)
+
+
+SECTION = Section(
+    key="scaling",
+    run=_run,
+    figures=("scaling.hidden", "scaling.seconds", "scaling.growth_exponent"),
+    report=report_lines,
+    markdown=markdown_lines,
+)

@@ -9,9 +9,10 @@ import torch
 from benchmarks.config import BenchConfig
 from benchmarks.models import TransformerShapes
 from benchmarks.optimizer_step import MUON_KWARGS, time_alternating
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import table
 
-__all__ = ["stock_comparison", "stock_section"]
+__all__ = ["SECTION", "stock_comparison", "stock_section"]
 
 
 def stock_comparison(
@@ -98,3 +99,26 @@ def markdown_lines(results: dict) -> list[str]:
         ],
     )
     return out
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    return stock_section(context.config, results["headline"])
+
+
+SECTION = Section(
+    key="stock_comparison",
+    run=_run,
+    figures=tuple(
+        f"stock_comparison.{figure}"
+        for figure in (
+            "ours_s",
+            "tensor_parallel_muon_s",
+            "emerging_muon_s",
+            "tensor_parallel_muon_over_ours",
+            "emerging_muon_over_ours",
+        )
+    ),
+    report=report_lines,
+    markdown=markdown_lines,
+    derived=True,
+)

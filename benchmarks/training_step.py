@@ -1,4 +1,4 @@
-"""Full training-step benchmarks (run inside ranks): Muon vs AdamW on a Megatron-FSDP GPTModel.
+"""Full training-step benchmarks: Muon vs AdamW on a Megatron-FSDP GPTModel.
 
 The model is a megatron-core ``GPTModel`` (local layer spec) wrapped with megatron-core's
 ``FullyShardedDataParallel`` (Megatron-FSDP, ``optim_grads_params``). The optimizers are what a
@@ -14,6 +14,8 @@ Each kind trains its own copy of the model (same seed, same weights, same batch)
 step is ``zero_grad_buffer`` -> forward -> backward -> ``finish_grad_sync`` (what Megatron-LM's
 ``finalize_model_grads`` does) -> ``optimizer.step()`` (grad norm, clipping, the update, the
 install of the new weights into the compute weights); the *optimizer step* is the last of these.
+Section 2 of ``python -m benchmarks`` (``SECTION``); the rank bodies also serve section 4
+(``training_step_memory``), the ideal ratio and the GPU run (``Trainer``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from benchmarks.config import BenchConfig
 from benchmarks.launcher import run_ranks
 from benchmarks.measure import MemoryProbe, median, return_freed_memory_to_os, timed
 from benchmarks.models import GPTSize
+from benchmarks.section import RunContext, Section
 from benchmarks.tables import table
 
 __all__ = [
+    "SECTION",
     "Trainer",
     "build_gpt",
     "muon_vs_adamw_step",
@@ -246,8 +250,8 @@ def training_step_memory(rank: int, world_size: int, device: str, size: GPTSize,
     }
 
 
-def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]:
-    """Sections 2 and 4a: Muon vs AdamW whole step / optimizer step, and step peak memory."""
+def training_step_section(config: BenchConfig, device: str) -> dict:
+    """Section 2: Muon vs AdamW whole step and optimizer step (slowest rank's medians)."""
     size, dp = config.gpt, config.train_dp
     results = run_ranks(muon_vs_adamw_step, dp, device, size, config.warmup, config.repeats)
     muon = {k: max(r["muon"][k] for r in results) for k in ("step_s", "optimizer_s")}
@@ -272,15 +276,7 @@ def training_step_section(config: BenchConfig, device: str) -> tuple[dict, dict]
         "muon_ns_flops_max": max(r["muon_ns_flops"] for r in results),
         "anchor": ANCHOR,
     }
-    memory = {"dp": dp, "measure": "RSS" if device == "cpu" else "max_memory_allocated"}
-    for kind in ("muon", "adamw"):
-        per_rank = run_ranks(training_step_memory, dp, device, size, kind)
-        # Training memory: the step's peak above the process's level before the model was built.
-        memory[f"{kind}_peak_bytes"] = max(r["step_peak"] - r["before_model"] for r in per_rank)
-        memory[f"{kind}_state_bytes"] = max(r["before_step"] - r["before_model"] for r in per_rank)
-        memory[f"{kind}_peak_absolute_bytes"] = max(r["step_peak"] for r in per_rank)
-    memory["muon_over_adamw"] = memory["muon_peak_bytes"] / memory["adamw_peak_bytes"]
-    return timing, memory
+    return timing
 
 
 def report_lines(results: dict) -> list[str]:
@@ -326,3 +322,26 @@ def markdown_lines(results: dict) -> list[str]:
         ],
     )
     return out
+
+
+def _run(context: RunContext, results: dict) -> dict:
+    return training_step_section(context.config, context.device)
+
+
+SECTION = Section(
+    key="training_step",
+    run=_run,
+    figures=tuple(
+        f"training_step.{figure}"
+        for figure in (
+            "muon_step_s",
+            "adamw_step_s",
+            "muon_over_adamw_step",
+            "muon_optimizer_s",
+            "adamw_optimizer_s",
+            "muon_over_adamw_optimizer",
+        )
+    ),
+    report=report_lines,
+    markdown=markdown_lines,
+)

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.multirank
 def test_quick_benchmark_writes_every_required_figure(tmp_path):
-    from benchmarks.report import PEERS_FIGURES, REQUIRED_FIGURES, missing_figures
+    from benchmarks.__main__ import required_figures
+    from benchmarks.section import missing_figures
 
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--peers", "--out", str(tmp_path)],
@@ -25,8 +26,8 @@ def test_quick_benchmark_writes_every_required_figure(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert missing_figures(results, PEERS_FIGURES) == []
-    assert len(REQUIRED_FIGURES) >= 30
+    assert missing_figures(results, required_figures(with_peers=True)) == []
+    assert len(required_figures(with_peers=False)) >= 30
     assert sorted(results["optimizer_step"]["dense"]["by_dp"]) == ["1", "2", "4"]
     for model in ("dense", "moe"):
         by_dp = results["optimizer_step"][model]["by_dp"]
@@ -38,10 +39,11 @@ def test_quick_benchmark_writes_every_required_figure(tmp_path):
 
 
 def test_missing_figures_names_what_is_absent():
-    from benchmarks.report import missing_figures
+    from benchmarks.__main__ import required_figures
+    from benchmarks.section import missing_figures
 
     results = {"optimizer_step": {"dense": {"by_dp": {"2": {"owner_s": 1.0}}}}}
-    missing = missing_figures(results)
+    missing = missing_figures(results, required_figures(with_peers=False))
     assert "optimizer_step.dense.by_dp.2.gather_s" in missing
     assert "training_step.muon_step_s" in missing
     assert "optimizer_step.moe.by_dp.*.owner_s" in missing
