@@ -75,6 +75,101 @@ def violations(package_dir: Path) -> list[str]:
     return lines
 
 
+# Directories beside the package whose modules must not import each other in a circle, read the
+# same way (every import at any depth): a helper two modules share goes into a third that both
+# import, never one importing the other's private names.
+ACYCLIC = ("benchmarks",)
+
+
+def module_graph(directory: Path) -> dict[str, set[str]]:
+    """``{module: modules of the same directory it imports}`` for every ``*.py`` under
+    ``directory`` (modules named from its parent, e.g. ``benchmarks.headline``). Every ``import``
+    at any depth counts (inside functions and ``if TYPE_CHECKING:`` too); ``from benchmarks import
+    x`` names the module ``benchmarks.x`` where that file exists, the package otherwise."""
+    root = directory.name
+    modules = {
+        ".".join(path.relative_to(directory.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        ): path
+        for path in sorted(directory.rglob("*.py"))
+    }
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                names = [f"{base}.{alias.name}" for alias in node.names]
+            for name in names:
+                target = resolve(name) if name.split(".")[0] == root else None
+                if target is not None and target != module:
+                    targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """Each group of modules that import each other in a circle (directly or through others):
+    ``(its modules sorted, one circle [a, b, ..., a] through its first module)``."""
+
+    def path(start: str, goal: str) -> list[str] | None:
+        """Shortest import path from ``start`` to ``goal`` (breadth first), or None."""
+        previous: dict[str, str] = {}
+        frontier = [start]
+        while frontier:
+            following = []
+            for module in frontier:
+                for target in sorted(graph.get(module, ())):
+                    if target == goal:
+                        chain = [module]
+                        while chain[-1] != start:
+                            chain.append(previous[chain[-1]])
+                        return [*reversed(chain), goal]
+                    if target not in previous and target != start:
+                        previous[target] = module
+                        following.append(target)
+            frontier = following
+        return None
+
+    cycles, seen = [], set()
+    for module in sorted(graph):
+        if module in seen:
+            continue
+        cycle = path(module, module)
+        if cycle is not None:
+            # Every module that reaches this one and is reached from it is in the same circle.
+            group = {m for m in graph if path(module, m) and path(m, module)}
+            seen |= group
+            cycles.append((sorted(group), cycle))
+    return cycles
+
+
+def cycle_violations(repo: Path) -> list[str]:
+    """One line per import circle among the modules of each ``ACYCLIC`` directory."""
+    lines = []
+    for directory in ACYCLIC:
+        for group, cycle in import_cycles(module_graph(repo / directory)):
+            lines.append(
+                f"{repo / directory}: {', '.join(group)} import each other in a circle "
+                f"({' -> '.join(cycle)}); move what both need into a module both import"
+            )
+    return lines
+
+
 def main() -> int:
     package_dir = Path(sys.argv[1] if len(sys.argv) > 1 else PACKAGE)
     found = violations(package_dir)
@@ -82,7 +177,11 @@ def main() -> int:
         print(line)
     layers = len(ALLOWED)
     print(f"import layers: {'ok' if not found else f'{len(found)} violations'} ({layers} layers)")
-    return 1 if found else 0
+    circles = cycle_violations(package_dir.resolve().parent)
+    for line in circles:
+        print(line)
+    print(f"import circles in {', '.join(ACYCLIC)}: {len(circles) or 'none'}")
+    return 1 if found or circles else 0
 
 
 if __name__ == "__main__":
