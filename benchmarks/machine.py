@@ -9,7 +9,8 @@ tens of times slower and the run would not finish in its time (measured: a DP=2 
 first rank starts) and into ``results.json`` (``machine``), with the rates and the reason.
 
 The ranks' library notices (Transformer Engine / Apex not installed, deprecations, Megatron-FSDP's
-device notes) are said once here and silenced in the ranks (``quiet_rank``). ``device_name`` and
+device notes) and the PyTorch profiler's log lines are said once here and silenced in the ranks
+(``quiet_rank``). ``device_name`` and
 ``git_commit`` say where and on what code a run ran (``results.json``'s ``meta``, CPU and GPU runs).
 """
 
@@ -35,8 +36,15 @@ __all__ = ["choose_ns_precision", "device_name", "git_commit", "quiet_rank", "LI
 
 LIBRARY_NOTICE = (
     "library warnings in the ranks (Transformer Engine / Apex not installed, deprecations, "
-    "Megatron-FSDP's device notes) are silenced"
+    "Megatron-FSDP's device notes, the profiler's log lines) are silenced"
 )
+# Kineto, the PyTorch profiler's backend, logs at each profiled call (the headline's time split,
+# every transient-memory figure): "profiler_start" / "profiler_stop" (its USDT level) and, on a
+# CUDA build of torch without a GPU, "ERROR ... gpuGetDeviceCount failed with code 35" (no CUDA
+# driver) although only CPU activities are profiled. Its levels run from 0 (verbose) to 5 (USDT);
+# 6 logs none. Read when a profiler first starts, so setting it in the rank is in time.
+KINETO_LOG_LEVEL_ENV = "KINETO_LOG_LEVEL"
+KINETO_SILENT = "6"
 
 
 def choose_ns_precision(device: str) -> dict:
@@ -66,10 +74,12 @@ def choose_ns_precision(device: str) -> dict:
 
 
 def quiet_rank(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """A rank body: ``fn(rank, world_size, *args)`` with Python warnings and log records below
-    ERROR off (``benchmarks.launcher.run_ranks`` launches every body through it)."""
+    """A rank body: ``fn(rank, world_size, *args)`` with Python warnings, log records below ERROR
+    and the profiler's log lines off (``benchmarks.launcher.run_ranks`` launches every body
+    through it). ``KINETO_LOG_LEVEL`` set beforehand (e.g. 0, to debug the profiler) is kept."""
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
+    os.environ.setdefault(KINETO_LOG_LEVEL_ENV, KINETO_SILENT)
     return fn(rank, world_size, *args)
 
 
