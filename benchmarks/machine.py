@@ -67,8 +67,10 @@ def choose_ns_precision(device: str) -> dict:
             ),
         }
     os.environ[optimizer_step.NS_PRECISION_ENV] = choice["ns_precision"]
-    # The ranks' launcher process imports megatron at start: its import notices too.
+    # The ranks' launcher process imports megatron at start: its import notices too, and torch's
+    # log records below ERROR ("No CUDA runtime is found" where there is no GPU).
     os.environ["PYTHONWARNINGS"] = "ignore"
+    os.environ.setdefault("TORCH_LOGS", "-torch")
     optimizer_step.MUON_KWARGS["fp32_matmul_prec"] = choice["ns_precision"]
     return choice
 
