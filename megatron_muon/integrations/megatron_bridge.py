@@ -29,7 +29,7 @@ skipped for those model chunks (``install()``'s one patch of Bridge).
 
 Building the config calls ``install()`` (idempotent), which applies, before Bridge initializes:
 
-1. the version checks (``SUPPORTED_MEGATRON_BRIDGE``, ``megatron_lm.SUPPORTED_MEGATRON_CORE``);
+1. the version checks (``SUPPORTED_MEGATRON_BRIDGE``, ``megatron_version.SUPPORTED_MEGATRON_CORE``);
 2. megatron-core's shipped dataset helpers (``megatron_lm.use_shipped_dataset_helpers``; Bridge's
    ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
 3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
@@ -51,6 +51,7 @@ import torch
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.integrations import megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
+from megatron_muon.integrations.megatron_version import check_megatron_core_version
 from megatron_muon.sharded.config import MuonFsdpConfig
 
 __all__ = [
@@ -101,7 +102,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     """
     global _INSTALLED
     check_megatron_bridge_version()
-    megatron_lm.check_megatron_core_version(__name__)
+    check_megatron_core_version(__name__)
     if cpu_stand_ins is None:
         cpu_stand_ins = not torch.cuda.is_available()
     if cpu_stand_ins:

@@ -97,6 +97,10 @@ from megatron_muon.integrations.megatron_lm_arguments import (
     muon_meets_megatron_fsdp,
     with_muon_args,
 )
+from megatron_muon.integrations.megatron_version import (
+    SUPPORTED_MEGATRON_CORE,
+    check_megatron_core_version,
+)
 
 __all__ = [
     "SUPPORTED_MEGATRON_CORE",
@@ -109,10 +113,6 @@ __all__ = [
     "uses_megatron_fsdp",
     "MegatronCheckpointedOptimizer",
 ]
-
-# The megatron-core versions whose patched functions were read (module docstring); pyproject.toml's
-# dependency on megatron-core is the same range.
-SUPPORTED_MEGATRON_CORE = ">=0.19.0,<0.20"
 
 _INSTALLED = False
 # Marks our get_megatron_optimizer: a caller (or test) can tell it from Megatron's own.
@@ -171,30 +171,6 @@ def use_shipped_dataset_helpers() -> None:
 
 def _helpers_already_built() -> None:
     """``compile_helpers`` with the wheel's built ``helpers_cpp`` present: nothing to build."""
-
-
-def check_megatron_core_version(patcher: str = __name__) -> None:
-    """Raises unless the installed megatron-core is in ``SUPPORTED_MEGATRON_CORE``.
-
-    Every module of ``megatron_muon.integrations`` that patches Megatron calls it before patching;
-    ``patcher`` names that module in the error.
-
-    Raises:
-        RuntimeError: another megatron-core version is installed.
-    """
-    from packaging.specifiers import SpecifierSet
-
-    package_info = importlib.import_module("megatron.core.package_info")
-    version = package_info.__version__
-    # prereleases=True: a 0.19.x release candidate is in range, a 0.19.0rc is not (< 0.19.0).
-    if not SpecifierSet(SUPPORTED_MEGATRON_CORE).contains(version, prereleases=True):
-        raise RuntimeError(
-            f"{patcher} patches megatron.training functions as they "
-            f"are in megatron-core {SUPPORTED_MEGATRON_CORE}; megatron-core {version} is "
-            f"installed. Install a supported version (pip install 'megatron-core"
-            f"{SUPPORTED_MEGATRON_CORE}'), or check the patched functions (see this module's "
-            "docstring) against it and widen SUPPORTED_MEGATRON_CORE."
-        )
 
 
 # --------------------------------------------------------------------------------------------------
