@@ -4,7 +4,7 @@ The config dataclasses that hold an option (``config.MuonConfig``, ``config.Muon
 ``newton_schulz.NSConfig``) check it with ``check_choice`` against its alias, and the command-line
 flags take ``typing.get_args(alias)`` as their choices (as megatron-core does for its own
 ``Literal`` options). The NS methods (``NSMethodT``) are defined with their registry in
-``newton_schulz.py``, so that a new method is one entry in one file.
+``newton_schulz/methods.py``, so that a new method is one entry in one file.
 """
 
 from __future__ import annotations
