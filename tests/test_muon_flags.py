@@ -1,5 +1,6 @@
 """Our flags (``add_muon_args`` + ``MuonFsdpConfig.from_args``) on our parser and on a parser that
-already has Megatron-LM's ``--qk-clip`` / ``--qk-clip-threshold``; bad values refused by name.
+already has Megatron-LM's ``--qk-clip`` / ``--qk-clip-threshold``; bad values refused by name; a
+bare ``%`` in a flag's help no longer stops ``--help``.
 """
 
 from __future__ import annotations
@@ -96,3 +97,16 @@ def test_bad_config_values_are_refused_by_name():
         MuonFsdpConfig(gram_half_dtype="float32")  # type: ignore[arg-type]  # a bad value on purpose
     with pytest.raises(ValueError, match="0.0"):
         MuonFsdpConfig(qk_clip_threshold=0.0)
+
+
+def test_a_bare_percent_in_a_flags_help_is_escaped_so_that_help_formats():
+    from megatron_muon.integrations.megatron_lm_arguments import escape_bare_percent_in_help
+
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--a", default=3, help="headroom (e.g. 1.10 = 10%).")
+    parser.add_argument("--b", default=7, help="default %(default)s, 12-17%% fewer")
+    with pytest.raises(ValueError, match="unsupported format character"):
+        parser.format_help()
+    escape_bare_percent_in_help(escape_bare_percent_in_help(parser))  # idempotent
+    text = " ".join(parser.format_help().split())
+    assert "1.10 = 10%)." in text and "default 7, 12-17% fewer" in text
