@@ -36,7 +36,8 @@ megatron-core fixes 6 and 7):
    Megatron-FSDP, it returns megatron-muon's optimizer (``megatron_muon.build_muon_optimizer``:
    exact Muon on FSDP shards behind a step wrapper that installs the weights and re-syncs params;
    inside this loop gradients were already reduced by ``finalize_model_grads``, so the wrapper is
-   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``).
+   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``,
+   ``--qk-clip`` as ``QKClipConfig``).
    Its state goes into Megatron's ``fsdp_dtensor`` checkpoints by parameter name
    (``ckpt_format="fsdp_dtensor"``: ``checkpointed_optimizer.MegatronCheckpointedOptimizer``).
    Stock megatron-core 0.19.2 would build a ``TensorParallelMuon`` that trains nothing under
@@ -85,6 +86,7 @@ from typing import Any
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.fsdp.arguments import fsdp_config_from_args, qk_clip_config_from_args
 from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
@@ -207,11 +209,11 @@ def _build_for_megatron_loop(
     Megatron's ``train_step`` runs ``finalize_model_grads`` (which calls ``finish_grad_sync`` on
     every chunk) before ``optimizer.step()``; a second call would reduce gradients twice and
     corrupt the ``optim`` strategy, hence ``grads_already_synced``. Megatron's flags arrive as
-    ``MuonFsdpConfig.from_args`` (``--muon-fsdp-mode`` ..., QK-clip) and
-    ``--check-for-nan-in-loss-and-grad`` (Megatron's default; off with its ``--no-`` form).
+    ``fsdp_config_from_args`` (``--muon-fsdp-mode`` ...), ``qk_clip_config_from_args``
+    (``--qk-clip`` ...) and ``--check-for-nan-in-loss-and-grad`` (Megatron's default; off with its
+    ``--no-`` form).
     """
     from megatron_muon.fsdp.factory import build_muon_optimizer
-    from megatron_muon.sharded.config import MuonFsdpConfig
 
     args = megatron_args()
     return build_muon_optimizer(
@@ -219,7 +221,8 @@ def _build_for_megatron_loop(
         model_chunks,
         config_overrides=config_overrides,
         pg_collection=pg_collection,
-        fsdp_config=MuonFsdpConfig.from_args(args) if args is not None else None,
+        fsdp_config=fsdp_config_from_args(args) if args is not None else None,
+        qk_clip=qk_clip_config_from_args(args) if args is not None else None,
         grads_already_synced=True,
         ckpt_format="fsdp_dtensor",
         stop_on_nonfinite_grad_norm=(

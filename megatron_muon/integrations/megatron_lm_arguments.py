@@ -138,11 +138,10 @@ def _take_over_qk_clip(args: argparse.Namespace) -> None:
     compute weights that the next ``install_optimized_model_weights`` overwrites from the main
     weights (the clip would be lost), and it needs TE >= 2.9 for the max logits (``validate_args``
     asserts it). So ``args.qk_clip`` is turned off here (Megatron's ``clip_qk`` then never runs,
-    nor its TE check) and ``args.muon_qk_clip`` on:
-    ``megatron_muon.sharded.config.qk_clip_threshold``
-    reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold``, run by the step
-    wrapper on the main weights' row shards before they are installed. ``--qk-clip-alpha`` is
-    not used (see ``megatron_muon.fsdp.arguments``).
+    nor its TE check) and ``args.muon_qk_clip`` on: ``fsdp.arguments.qk_clip_config_from_args``
+    reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold`` and
+    ``--qk-clip-alpha``, run by the step wrapper on the main weights' row shards before they are
+    installed.
     """
     if getattr(args, "qk_clip", False):
         args.qk_clip = False
