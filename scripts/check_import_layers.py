@@ -4,9 +4,11 @@ Each subpackage may import the subpackages listed for it in ``ALLOWED`` (and its
 top-level entry points (``pretrain``, ``demo``, ``__init__``) may import anything. Every
 ``import`` and ``from ... import`` in the package is read with ``ast``, at any depth (imports
 inside functions count: a lazy import is a dependency too). docs/architecture.md draws the layers.
+Inside each subpackage, modules import each other one way too, and so do the modules of
+``benchmarks/``: no import cycle (``import_cycles``).
 
 Usage: ``python scripts/check_import_layers.py [package_dir]``; exit status 1 and one line per
-forbidden import when the rule is broken.
+forbidden import or cycle when a rule is broken.
 """
 
 from __future__ import annotations
@@ -122,40 +124,80 @@ def module_graph(directory: Path) -> dict[str, set[str]]:
     return graph
 
 
+def package_graph(package_dir: Path) -> dict[str, set[str]]:
+    """``module_graph`` of the package less its top-level entry points (``__init__``,
+    ``pretrain``, ``demo`` may import anything; importing the package itself is no edge between
+    modules)."""
+    top = package_dir.name
+    graph = module_graph(package_dir)
+    entry = {top} | {f"{top}.{name}" for name in ENTRY_POINTS}
+    return {module: targets - entry for module, targets in graph.items() if module not in entry}
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
-    """Each group of modules that import each other in a circle (directly or through others):
-    ``(its modules sorted, one circle [a, b, ..., a] through its first module)``."""
+    """The import cycles of a module graph, one per strongly connected component (Tarjan's
+    algorithm): (its modules, one cycle through them, the first module repeated last). A cycle
+    counts even where a function-level import keeps Python from failing.
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
 
-    def path(start: str, goal: str) -> list[str] | None:
-        """Shortest import path from ``start`` to ``goal`` (breadth first), or None."""
-        previous: dict[str, str] = {}
-        frontier = [start]
-        while frontier:
-            following = []
-            for module in frontier:
-                for target in sorted(graph.get(module, ())):
-                    if target == goal:
-                        chain = [module]
-                        while chain[-1] != start:
-                            chain.append(previous[chain[-1]])
-                        return [*reversed(chain), goal]
-                    if target not in previous and target != start:
-                        previous[target] = module
-                        following.append(target)
-            frontier = following
-        return None
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(sorted(component))
 
-    cycles, seen = [], set()
     for module in sorted(graph):
-        if module in seen:
-            continue
-        cycle = path(module, module)
-        if cycle is not None:
-            # Every module that reaches this one and is reached from it is in the same circle.
-            group = {m for m in graph if path(module, m) and path(m, module)}
-            seen |= group
-            cycles.append((sorted(group), cycle))
-    return cycles
+        if module not in index:
+            visit(module)
+    return [(component, _one_cycle(graph, component)) for component in components]
+
+
+def _one_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first, inside it)."""
+    start, members = component[0], set(component)
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph[module] & members):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [*reversed(path), start]
+                if target not in previous:
+                    previous[target] = module
+                    following.append(target)
+        frontier = following
+    raise AssertionError(f"no cycle through {start} in its strongly connected component")
+
+
+def cycle_lines(package_dir: Path) -> list[str]:
+    """One line per import cycle inside a subpackage."""
+    lines = []
+    for component, cycle in import_cycles(package_graph(package_dir)):
+        short = [module.removeprefix(f"{PACKAGE}.") for module in component]
+        lines.append(
+            f"import cycle among {', '.join(short)}: "
+            f"{' -> '.join(m.removeprefix(f'{PACKAGE}.') for m in cycle)} (a subpackage's "
+            "modules import each other one way; move what both need into a module they import)"
+        )
+    return lines
 
 
 def cycle_violations(repo: Path) -> list[str]:
@@ -173,6 +215,7 @@ def cycle_violations(repo: Path) -> list[str]:
 def main() -> int:
     package_dir = Path(sys.argv[1] if len(sys.argv) > 1 else PACKAGE)
     found = violations(package_dir)
+    found += cycle_lines(package_dir)
     for line in found:
         print(line)
     layers = len(ALLOWED)

@@ -15,15 +15,18 @@ RUN = Run(wrapper="mcore", strategy="optim_grads_params")
 NUM_STEPS = 3
 
 
-def _build(world_size: int, fsdp_kwargs: dict, **build_kwargs):
-    """(wrapped GPT, its optimizer params by name, factory-built optimizer); ``build_kwargs`` go
-    to ``gpt_parity.build_gpt`` (e.g. ``mla=True``)."""
+def _build(world_size: int, fsdp_kwargs: dict, qk_clip=None, **build_kwargs):
+    """(wrapped GPT, its optimizer params by name, factory-built optimizer); ``qk_clip``: a
+    ``QKClipConfig``; ``build_kwargs`` go to ``gpt_parity.build_gpt`` (e.g. ``mla=True``)."""
     from megatron_muon import MuonFsdpConfig, build_muon_optimizer
 
     wrapped = gpt_parity.wrap(gpt_parity.build_gpt(**build_kwargs), RUN, world_size)
     named = dict(wrapped.named_parameters())  # the optimizer params, right after wrapping
     optimizer = build_muon_optimizer(
-        gpt_parity.optimizer_config(), [wrapped], fsdp_config=MuonFsdpConfig(**fsdp_kwargs)
+        gpt_parity.optimizer_config(),
+        [wrapped],
+        fsdp_config=MuonFsdpConfig(**fsdp_kwargs),
+        qk_clip=qk_clip,
     )
     return wrapped, named, optimizer
 

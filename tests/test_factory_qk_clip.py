@@ -1,4 +1,4 @@
-"""QK-clip (``MuonFsdpConfig.qk_clip_threshold``) through the factory (``build_muon_optimizer``) on
+"""QK-clip (``QKClipConfig``) through the factory (``build_muon_optimizer``) on
 a tiny megatron-core GPT under Megatron-FSDP (``tests/factory_gpt_runs.py``), with GQA-style
 ``SelfAttention`` and with bias-free Multi-Latent Attention (``gpt_parity.MLA_CONFIG``): on 2 ranks,
 every param equals an unsharded reference (``TensorParallelMuon`` + AdamW on full tensors, then
@@ -21,7 +21,7 @@ THRESHOLDS = {"gqa": 0.12, "mla": 0.09}
 
 
 def _qk_clip_parity(rank: int, world_size: int, attention: str) -> dict:
-    from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
+    from megatron_muon.fsdp.qk_clip import QKClip, QKClipConfig, find_attentions
     from megatron_muon.integrations import local_core_attention
 
     local_core_attention.patch()
@@ -32,7 +32,9 @@ def _qk_clip_parity(rank: int, world_size: int, attention: str) -> dict:
     # The reduction-order floor: the reference with its batch gradient accumulated rank by rank.
     reordered = gpt_parity.Reference(gpt_parity.build_gpt(**build))
     reordered_clip = QKClip(find_attentions([reordered.model]), threshold)
-    wrapped, named, optimizer = _build(world_size, {"qk_clip_threshold": threshold}, **build)
+    wrapped, named, optimizer = _build(
+        world_size, {}, qk_clip=QKClipConfig(threshold=threshold), **build
+    )
     counts = []
     for step in range(NUM_STEPS):
         tokens, labels = gpt_parity.batch(step, world_size)

@@ -79,7 +79,7 @@ def test_an_installed_torch_in_range_is_kept_by_pip(installed, kept):
 
 
 def test_install_checks_the_megatron_core_range_that_pyproject_declares():
-    from megatron_muon.integrations.megatron_lm import SUPPORTED_MEGATRON_CORE
+    from megatron_muon.integrations.megatron_version import SUPPORTED_MEGATRON_CORE
 
     assert _declared()["megatron-core"].specifier == SpecifierSet(SUPPORTED_MEGATRON_CORE)
 

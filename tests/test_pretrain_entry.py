@@ -8,8 +8,8 @@ checkpoint, without ``--no-load-rng``, gives the uninterrupted run's losses bit 
 ``--load`` with another ``--train-iters`` stops with an error naming Megatron's scheduler flags.
 Faults: a NaN gradient on one rank stops the run with the weights of the last good step;
 ``--optimizer adam`` saves at DP=2; the Muon checkpoint loaded into an Adam run is refused.
-In-process: the loss checks, the flag and config errors. ``torchrun`` launches are the slow part
-(15-60 s each).
+In-process: the loss checks, the flag and config errors; ``--help`` (a subprocess, no launch).
+``torchrun`` launches are the slow part (15-60 s each).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -254,6 +256,33 @@ def test_config_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path: Path)
     config.write_text("- num_layers: 2\n- lr: 0.01\n")
     with pytest.raises(ValueError, match=r"--config .*list.yaml: expected a mapping .* got a list"):
         config_flags(config)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        ["-m", "megatron_muon.pretrain"],
+        # Megatron-LM's pretrain_gpt.py parses this way, after install() as its first line.
+        [
+            "-c",
+            "from megatron_muon.integrations.megatron_lm import install; install(); "
+            "from megatron.training.arguments import parse_args; parse_args()",
+        ],
+    ],
+    ids=["entry-point", "megatron-lm-after-install"],
+)
+def test_help_lists_the_muon_flags_though_megatrons_help_holds_a_bare_percent(
+    launch: list[str],
+) -> None:
+    # megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda ends "10%)", which
+    # argparse formats: stock, --help stops with "unsupported format character ')'".
+    completed = subprocess.run(
+        [sys.executable, *launch, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    for flag in ("--muon-fsdp-mode", "--muon-ns-method", "--muon-momentum", "--optimizer"):
+        assert flag in completed.stdout
+    assert "1.10 = 10%)" in " ".join(completed.stdout.split())
 
 
 @pytest.mark.parametrize(

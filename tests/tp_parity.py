@@ -45,7 +45,7 @@ class Parallelism:
     tp: int
     expert_tp: int
     moe: bool
-    qk_clip_threshold: float | None = None  # MuonFsdpConfig's QK-clip (MuonClip) on top
+    qk_clip_threshold: float | None = None  # QK-clip (MuonClip, QKClipConfig) on top
 
     def config(self) -> dict:
         return dict(
@@ -139,7 +139,7 @@ def _group_mismatch_errors() -> dict[str, str]:
 def _train(parallelism: Parallelism, tp_mode: str) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_muon import MuonFsdpConfig, build_muon_optimizer
+    from megatron_muon import MuonFsdpConfig, QKClipConfig, build_muon_optimizer
 
     model = gpt_parity.build_gpt(parallelism.moe, **parallelism.config())
     wrapped = gpt_parity.wrap(model, Run("mcore", "optim_grads_params"), dist.get_world_size())
@@ -147,8 +147,11 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
     optimizer = build_muon_optimizer(
         gpt_parity.optimizer_config(muon_tp_mode=tp_mode),
         [wrapped],
-        fsdp_config=MuonFsdpConfig(
-            mode=FSDP_MODE[tp_mode], qk_clip_threshold=parallelism.qk_clip_threshold
+        fsdp_config=MuonFsdpConfig(mode=FSDP_MODE[tp_mode]),
+        qk_clip=(
+            QKClipConfig(threshold=parallelism.qk_clip_threshold)
+            if parallelism.qk_clip_threshold is not None
+            else None
         ),
         grads_already_synced=True,  # this loop calls finish_grad_sync, as Megatron-LM's does
     )

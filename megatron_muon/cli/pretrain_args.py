@@ -53,13 +53,17 @@ _FLAG_ALIASES = {"gated_linear_unit": "swiglu"}
 
 
 def parser() -> argparse.ArgumentParser:
-    """Megatron's parser with megatron-muon's and this entry point's flags (as the run parses)."""
+    """Megatron's parser with megatron-muon's and this entry point's flags (as the run parses,
+    ``install()``'s ``parse_args``: its help's bare ``%`` escaped, so that ``--help`` works)."""
     from megatron.training.arguments import add_megatron_arguments
 
-    from megatron_muon.fsdp.arguments import add_muon_args
+    from megatron_muon.integrations.megatron_lm_arguments import (
+        escape_bare_percent_in_help,
+        extra_args_provider,
+    )
 
     megatron = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    return add_pretrain_args(add_muon_args(megatron))
+    return escape_bare_percent_in_help(add_pretrain_args(extra_args_provider(megatron)))
 
 
 def config_flags(path: str | Path) -> list[str]:

@@ -1,10 +1,11 @@
 """The allowed values of megatron-muon's string options, each defined once as a ``Literal`` alias.
 
-The config dataclasses that hold an option (``config.MuonConfig``, ``config.MuonFsdpConfig``,
-``newton_schulz.NSConfig``) check it with ``check_choice`` against its alias, and the command-line
-flags take ``typing.get_args(alias)`` as their choices (as megatron-core does for its own
+The config dataclasses that hold an option (``sharded.config.MuonConfig``,
+``sharded.config.MuonFsdpConfig``, ``newton_schulz.methods.NSConfig``) check it with
+``check_choice`` against its alias, and the command-line flags (``fsdp.arguments``) take
+``typing.get_args`` of the config field's alias as their choices (as megatron-core does for its own
 ``Literal`` options). The NS methods (``NSMethodT``) are defined with their registry in
-``newton_schulz.py``, so that a new method is one entry in one file.
+``newton_schulz/methods.py``, so that a new method is one entry in one file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Literal, get_args
 __all__ = [
     "FsdpModeT",
     "GramHalfDtypeT",
+    "MegatronMatmulPrecT",
+    "MegatronOptimizerT",
     "MuonScaleT",
     "ScalarOptimizerT",
     "TpModeT",
@@ -30,6 +33,10 @@ MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 ScalarOptimizerT = Literal["adam", "lion"]
 # Gram Newton-Schulz's matmul dtype under "medium" fp32 matmul precision.
 GramHalfDtypeT = Literal["float16", "bfloat16"]
+# Megatron-LM's --muon-fp32-matmul-prec values (``ShardedMuon`` also takes torch's "highest").
+MegatronMatmulPrecT = Literal["low", "medium", "high"]
+# The --optimizer values our copy of Megatron-LM's flag offers (megatron-core 0.19.2 lists more).
+MegatronOptimizerT = Literal["adam", "sgd", "muon"]
 
 
 def check_choice(name: str, value: Any, alias: Any) -> None:

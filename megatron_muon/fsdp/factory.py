@@ -41,6 +41,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
+from megatron_muon.common.options import ScalarOptimizerT
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
 from megatron_muon.fsdp.process_groups import (
@@ -49,7 +50,7 @@ from megatron_muon.fsdp.process_groups import (
     row_group,
     strategy_name,
 )
-from megatron_muon.fsdp.qk_clip import QKClip, find_attentions
+from megatron_muon.fsdp.qk_clip import QKClip, QKClipConfig, find_attentions
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
@@ -68,8 +69,8 @@ CkptFormatT = Literal["fsdp_dtensor"]
 
 # Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
 _MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
-# ``OptimizerConfig.muon_scalar_optimizer`` -> display name (megatron-core builds the optimizer).
-_SCALAR_OPTIMIZERS: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
+# ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
+_SCALAR_OPTIMIZER_NAMES: dict[ScalarOptimizerT, str] = {"adam": "AdamW", "lion": "Lion"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
 _STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
     None: FsdpStepWrapper,
@@ -88,6 +89,7 @@ def build_muon_optimizer(
     pg_collection: ProcessGroupCollection | None = None,
     *,
     fsdp_config: MuonFsdpConfig | None = None,
+    qk_clip: QKClipConfig | None = None,
     grads_already_synced: bool = False,
     ckpt_format: CkptFormatT | None = None,
     stop_on_nonfinite_grad_norm: bool | None = None,
@@ -107,10 +109,10 @@ def build_muon_optimizer(
             over ``expt_dp``, TP groups ``tp``/``expt_tp``. None: megatron-core's global groups when
             ``parallel_state`` is initialized, else the groups the ``MegatronFSDP`` modules use.
         fsdp_config: megatron-muon's owner/gather mode and friends (default ``MuonFsdpConfig()``).
-            With ``qk_clip_threshold`` set, a ``QKClip`` over every megatron-core
-            ``SelfAttention`` and ``MultiLatentAttention`` in the chunks is built here, on the
-            optimizer params (before any forward swaps the compute weights in), and the wrapper
-            runs it after each step.
+        qk_clip: MuonClip (None: off). A ``QKClip`` over every megatron-core ``SelfAttention``
+            and ``MultiLatentAttention`` in the chunks is built here, on the optimizer params
+            (before any forward swaps the compute weights in), and the wrapper runs it after each
+            step.
         grads_already_synced: True inside Megatron-LM's training loop (``finalize_model_grads``
             already called ``finish_grad_sync``); False for a custom loop (see ``FsdpStepWrapper``).
         ckpt_format: None: an ``FsdpStepWrapper``, checkpointed with
@@ -128,7 +130,8 @@ def build_muon_optimizer(
         ``.summary_lines`` the lines printed (rank 0) at build time.
 
     Raises:
-        ValueError: unknown optimizer name or ``ckpt_format``, fp16, a Muon param that is not a
+        ValueError: unknown optimizer name or ``ckpt_format``, fp16, a ``muon_*`` value that
+            ``MuonConfig`` refuses (e.g. ``muon_scalar_optimizer``), a Muon param that is not a
             matrix, params that are not Megatron-FSDP optimizer params, missing ``expt_dp`` for
             a model with experts, a process group that does not match the ranks a param is
             sharded over, ``stop_on_nonfinite_grad_norm`` without ``ckpt_format="fsdp_dtensor"``.
@@ -148,11 +151,11 @@ def build_muon_optimizer(
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
 
-    qk_clip = _qk_clip(fsdp_config, chunks, pg_collection, fsdp_modules)
-    if qk_clip is not None:
+    clip = _qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
+    if clip is not None:
         summary.append(
-            f"megatron-muon QK-clip: threshold {qk_clip.threshold:g} on "
-            f"{len(qk_clip.attentions)} attention layers"
+            f"megatron-muon QK-clip: threshold {clip.threshold:g} on "
+            f"{len(clip.attentions)} attention layers"
         )
         print_rank_0(summary[-1])
 
@@ -164,7 +167,7 @@ def build_muon_optimizer(
         FsdpChainedOptimizer(optimizers),
         fsdp_modules,
         grads_already_synced=grads_already_synced,
-        qk_clip=qk_clip,
+        qk_clip=clip,
         routing=routing.params,
         summary_lines=summary,
         **options,
@@ -186,11 +189,6 @@ def _check_config(config: OptimizerConfig) -> None:
             f"megatron-muon builds optimizer(s) {sorted(_MUON_OPTIMIZERS)} for Megatron-FSDP, got "
             f"optimizer={config.optimizer!r}; use megatron.core.optimizer.get_megatron_optimizer "
             "for other optimizers"
-        )
-    if config.muon_scalar_optimizer not in _SCALAR_OPTIMIZERS:
-        raise ValueError(
-            f"muon_scalar_optimizer must be one of {sorted(_SCALAR_OPTIMIZERS)}, got "
-            f"{config.muon_scalar_optimizer!r}"
         )
     if config.fp16:
         raise ValueError(
@@ -261,7 +259,7 @@ def _sub_optimizers(
         scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
         optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
         summary.append(
-            f"megatron-muon {_SCALAR_OPTIMIZERS[scalar_name]}: {_count(scalar_groups)}, "
+            f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[scalar_name]}: {_count(scalar_groups)}, "
             f"strategy {strategy}"
         )
     return optimizers, summary
@@ -299,32 +297,29 @@ def _muon_optimizer(
 
 
 def _qk_clip(
-    fsdp_config: MuonFsdpConfig,
+    config: QKClipConfig | None,
     chunks: list[torch.nn.Module],
     pg_collection: ProcessGroupCollection | None,
     fsdp_modules: list[Any],
 ) -> QKClip | None:
-    """MuonClip's ``QKClip`` when ``fsdp_config.qk_clip_threshold`` is set, else None.
+    """MuonClip's ``QKClip`` for ``config``, or None without one.
 
     Built now, while every clipped weight (``linear_qkv``; MLA's query and kv up-projections) is
     the DTensor row shard the optimizer updates (a forward swaps in the compute weights); max
     logits are all-reduced over the dense data-parallel group (``dp_cp``), whose ranks see
     different tokens; the clipped-head count is summed over ``tp``.
     """
-    threshold = fsdp_config.qk_clip_threshold
-    if threshold is None:
+    if config is None:
         return None
     attentions = find_attentions(chunks)
     if not attentions:
         raise ValueError(
-            f"qk_clip_threshold={threshold} but the model has no megatron-core SelfAttention or "
-            "MultiLatentAttention layer to clip"
+            f"QK-clip threshold {config.threshold} but the model has no megatron-core "
+            "SelfAttention or MultiLatentAttention layer to clip"
         )
     group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    return QKClip(
-        attentions, threshold, group=group, alpha=fsdp_config.qk_clip_alpha, tp_group=tp_group
-    )
+    return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)
 
 
 def _scalar_optimizer(

@@ -60,10 +60,6 @@ __all__ = [
     "prepare_next_backwards",
 ]
 
-# Strategies whose gradient buffer is not sharded: the backward reduces only on the last
-# micro-batch (``is_last_microbatch``) or with ``model_auto_sync``.
-_DELAYED_REDUCE_STRATEGIES = ("no_shard", "optim")
-
 
 def check_sync_settings(module: Any) -> None:
     """Refuses a ``MegatronFSDP`` whose own backward reduces gradients twice.

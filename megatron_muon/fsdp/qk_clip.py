@@ -55,7 +55,37 @@ from megatron_muon.fsdp.qk_clip_rows import (
 )
 from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
-__all__ = ["QKClip", "QKClipStats", "find_attentions", "head_clip_factors", "scale_local_rows_"]
+__all__ = [
+    "QKClip",
+    "QKClipConfig",
+    "QKClipStats",
+    "find_attentions",
+    "head_clip_factors",
+    "scale_local_rows_",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QKClipConfig:
+    """MuonClip's settings, from which ``build_muon_optimizer(qk_clip=...)`` builds a ``QKClip``
+    over every megatron-core ``SelfAttention`` and ``MultiLatentAttention`` of the model, run by the
+    step wrapper after each step (``fsdp.arguments.qk_clip_config_from_args`` reads the flags).
+
+    Attributes:
+        threshold: ``tau`` > 0, in units of pre-softmax logits (``--qk-clip-threshold``).
+        alpha: the query side's share of each clipped head's factor ``eta`` (queries
+            ``eta^alpha``, keys ``eta^(1 - alpha)``; ``--qk-clip-alpha``), in (0, 1).
+    """
+
+    threshold: float
+    alpha: float = DEFAULT_ALPHA
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 0:
+            raise ValueError(f"QK-clip threshold must be positive, got {self.threshold}")
+        if not 0 < self.alpha < 1:
+            # Megatron-LM's rule for --qk-clip-alpha.
+            raise ValueError(f"QK-clip alpha must be in (0, 1), got {self.alpha}")
 
 
 def head_clip_factors(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -165,10 +195,7 @@ class QKClip:
         alpha: float = DEFAULT_ALPHA,
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not threshold > 0:
-            raise ValueError(f"QK-clip threshold must be positive, got {threshold}")
-        if not 0 < alpha < 1:
-            raise ValueError(f"QK-clip alpha must be in (0, 1), got {alpha}")
+        QKClipConfig(threshold=threshold, alpha=alpha)  # checks both
         if params is not None and len(params) != len(attentions):
             raise ValueError(f"{len(params)} param lists for {len(attentions)} attention layers")
         for index, attention in enumerate(attentions):

@@ -38,9 +38,8 @@ import torch
 from megatron.core.transformer.attention import Attention, SelfAttention
 from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
-from megatron_muon.sharded.config import DEFAULT_QK_CLIP_ALPHA as DEFAULT_ALPHA
-
 __all__ = [
+    "DEFAULT_ALPHA",
     "HeadRows",
     "check_clippable",
     "find_attentions",
@@ -50,6 +49,10 @@ __all__ = [
     "qkv_row_scales",
     "softmax_scale",
 ]
+
+# The query side's share of a head's factor: megatron-core's TransformerConfig.qk_clip_alpha and
+# Megatron-LM's --qk-clip-alpha default.
+DEFAULT_ALPHA = 0.5
 
 
 @dataclass(frozen=True, slots=True)

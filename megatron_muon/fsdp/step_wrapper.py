@@ -52,7 +52,7 @@ import torch
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from megatron_muon.common.console import print_rank_0
-from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_classes, unwrap_megatron_fsdp
+from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_classes
 from megatron_muon.fsdp.grad_sync import (
     check_sync_settings,
     finish_grad_sync_once,
@@ -61,9 +61,7 @@ from megatron_muon.fsdp.grad_sync import (
 from megatron_muon.fsdp.qk_clip import QKClip, QKClipStats
 from megatron_muon.sharded.layout import local_tensor
 
-# megatron_fsdp_classes and unwrap_megatron_fsdp are defined in megatron_fsdp_compat; importable
-# from here too, where the factory and the checkpointing took them from.
-__all__ = ["FsdpStepWrapper", "megatron_fsdp_classes", "unwrap_megatron_fsdp"]
+__all__ = ["FsdpStepWrapper"]
 
 
 class FsdpStepWrapper(MegatronOptimizer):

@@ -18,7 +18,7 @@ by that entry point only; Megatron-LM scripts with ``megatron_lm.install()`` alo
    ``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
    ``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
 
-Checked against megatron-core 0.19.2 (``megatron_lm.SUPPORTED_MEGATRON_CORE``).
+Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from megatron_muon.checkpointing import (
 )
 from megatron_muon.checkpointing.optimizer_state import creates_state
 from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
 __all__ = [
     "install",
     "make_adam_state_rank_symmetric",
     "check_optimizer_state_kinds",
-    "checkpoint_directory",
 ]
 
 _INSTALLED = False
@@ -112,27 +112,6 @@ def _with_rank_symmetric_adam_state(get_megatron_optimizer: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 # 2. the checkpoint's optimizer state kinds against this run's
 # --------------------------------------------------------------------------------------------------
-
-
-def checkpoint_directory(args: Any) -> str | None:
-    """The ``iter_XXXXXXX`` directory Megatron's ``load_checkpoint`` will read, or None."""
-    from megatron.training.checkpointing import (
-        get_checkpoint_name,
-        get_checkpoint_tracker_filename,
-    )
-
-    load = getattr(args, "load", None)
-    if not load:
-        return None
-    if getattr(args, "ckpt_step", None) is not None:
-        return get_checkpoint_name(load, args.ckpt_step, return_base_dir=True)
-    tracker = get_checkpoint_tracker_filename(load)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    if text == "release":
-        return get_checkpoint_name(load, 0, release=True, return_base_dir=True)
-    return get_checkpoint_name(load, int(text), return_base_dir=True) if text.isdigit() else None
 
 
 def _saved_state_kinds(directory: str) -> set[str]:

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from megatron_muon.checkpointing import CheckpointMismatchError
+from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
 __all__ = ["check_vocab_padding", "checking_vocab_padding_first", "divisors_padding_to"]
 
@@ -73,8 +74,6 @@ def check_vocab_padding(args: Any) -> None:
     Raises:
         CheckpointMismatchError: names the saved and expected rows and the flag that avoids it.
     """
-    from megatron_muon.integrations.checkpoint_guard import checkpoint_directory
-
     expected = getattr(args, "padded_vocab_size", None)
     if getattr(args, "ckpt_format", None) != "fsdp_dtensor" or not expected:
         return

@@ -21,6 +21,8 @@ import inspect
 import math
 from typing import Any
 
+from megatron_muon.integrations.megatron_version import check_megatron_core_version
+
 __all__ = ["patch", "patched"]
 
 _MARK = "_megatron_muon_mla_channels"
@@ -37,8 +39,6 @@ def patch() -> None:
 
     Idempotent. Raises ``RuntimeError`` on a megatron-core outside the supported range.
     """
-    from megatron_muon.integrations.megatron_lm import check_megatron_core_version
-
     check_megatron_core_version(__name__)
     module = importlib.import_module("megatron.core.transformer.dot_product_attention")
     cls = module.DotProductAttention

@@ -12,7 +12,7 @@ A recipe sets, in one line::
     cfg.optimizer, cfg.scheduler = muon_fsdp_with_cosine_annealing(...)
 
 ``MuonFsdpOptimizerConfig`` is Bridge's ``OptimizerConfig`` plus ``muon_fsdp`` (megatron-muon's
-``MuonFsdpConfig``: mode, buckets, NS method, momentum offload, QK-clip). Its ``provide``:
+``MuonFsdpConfig``: mode, buckets, NS method, momentum offload). Its ``provide``:
 
 - ``optimizer`` "muon" or "dist_muon" with a Megatron-FSDP model: megatron-muon's exact Muon
   (``build_muon_optimizer``, state in Bridge's ``fsdp_dtensor`` checkpoints; Bridge's ``train_step``
@@ -23,13 +23,14 @@ A recipe sets, in one line::
 - anything else (no Megatron-FSDP, other optimizers): what Bridge itself would build.
 
 MuonClip: with the model's ``qk_clip`` on (Bridge's model-provider fields ``qk_clip``,
-``qk_clip_threshold``, ``qk_clip_alpha``), megatron-muon's ``QKClip`` clips the main weights' row
-shards after each step and Bridge's own ``clip_qk`` (compute weights, Transformer Engine only) is
-skipped for those model chunks (``install()``'s one patch of Bridge).
+``qk_clip_threshold``, ``qk_clip_alpha``, the one place it is set), megatron-muon's ``QKClip``
+(``QKClipConfig`` from those fields) clips the main weights' row shards after each step and
+Bridge's own ``clip_qk`` (compute weights, Transformer Engine only) is skipped for those model
+chunks (``install()``'s one patch of Bridge).
 
 Building the config calls ``install()`` (idempotent), which applies, before Bridge initializes:
 
-1. the version checks (``SUPPORTED_MEGATRON_BRIDGE``, ``megatron_lm.SUPPORTED_MEGATRON_CORE``);
+1. the version checks (``SUPPORTED_MEGATRON_BRIDGE``, ``megatron_version.SUPPORTED_MEGATRON_CORE``);
 2. megatron-core's shipped dataset helpers (``megatron_lm.use_shipped_dataset_helpers``; Bridge's
    ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
 3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
@@ -49,8 +50,10 @@ from typing import Any
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.integrations import megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
+from megatron_muon.integrations.megatron_version import check_megatron_core_version
 from megatron_muon.sharded.config import MuonFsdpConfig
 
 __all__ = [
@@ -101,7 +104,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     """
     global _INSTALLED
     check_megatron_bridge_version()
-    megatron_lm.check_megatron_core_version(__name__)
+    check_megatron_core_version(__name__)
     if cpu_stand_ins is None:
         cpu_stand_ins = not torch.cuda.is_available()
     if cpu_stand_ins:
@@ -142,8 +145,8 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
     Megatron-FSDP (module docstring).
 
     Attributes:
-        muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); its ``qk_clip_threshold`` /
-            ``qk_clip_alpha`` come from the model's ``qk_clip*`` fields when ``qk_clip`` is on.
+        muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); QK-clip comes from the model's
+            ``qk_clip*`` fields (``_model_qk_clip``).
     """
 
     muon_fsdp: MuonFsdpConfig = dataclasses.field(default_factory=MuonFsdpConfig)
@@ -187,17 +190,18 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
 
         config = copy.copy(self)
         config.optimizer = "muon"
-        fsdp_config = _with_model_qk_clip(self.muon_fsdp, chunks[0].config)
+        qk_clip = _model_qk_clip(chunks[0].config)
         optimizer = build_muon_optimizer(
             config,
             chunks,
             config_overrides=config_overrides,
             pg_collection=pg_collection,
-            fsdp_config=fsdp_config,
+            fsdp_config=self.muon_fsdp,
+            qk_clip=qk_clip,
             grads_already_synced=True,
             ckpt_format="fsdp_dtensor",
         )
-        if fsdp_config.qk_clip_threshold is not None:
+        if qk_clip is not None:
             for chunk in chunks:
                 _OURS_CLIPS[chunk] = optimizer
         return optimizer
@@ -223,25 +227,15 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
         )
 
 
-def _with_model_qk_clip(fsdp_config: MuonFsdpConfig, model_config: Any) -> MuonFsdpConfig:
-    """``fsdp_config`` with the model config's MuonClip settings when its ``qk_clip`` is on.
+def _model_qk_clip(model_config: Any) -> QKClipConfig | None:
+    """The model config's MuonClip settings when its ``qk_clip`` is on, else None.
 
     Raises:
-        ValueError: both ``muon_fsdp.qk_clip_threshold`` and the model's ``qk_clip`` are set.
+        ValueError: a threshold or alpha that ``QKClipConfig`` refuses.
     """
     if not getattr(model_config, "qk_clip", False):
-        return fsdp_config
-    if fsdp_config.qk_clip_threshold is not None:
-        raise ValueError(
-            "QK-clip is set twice: muon_fsdp.qk_clip_threshold="
-            f"{fsdp_config.qk_clip_threshold} and the model's qk_clip=True (qk_clip_threshold="
-            f"{model_config.qk_clip_threshold}); set it on the model only"
-        )
-    return dataclasses.replace(
-        fsdp_config,
-        qk_clip_threshold=model_config.qk_clip_threshold,
-        qk_clip_alpha=model_config.qk_clip_alpha,
-    )
+        return None
+    return QKClipConfig(threshold=model_config.qk_clip_threshold, alpha=model_config.qk_clip_alpha)
 
 
 def muon_fsdp_with_cosine_annealing(

@@ -36,7 +36,8 @@ megatron-core fixes 6 and 7):
    Megatron-FSDP, it returns megatron-muon's optimizer (``megatron_muon.build_muon_optimizer``:
    exact Muon on FSDP shards behind a step wrapper that installs the weights and re-syncs params;
    inside this loop gradients were already reduced by ``finalize_model_grads``, so the wrapper is
-   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``).
+   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``,
+   ``--qk-clip`` as ``QKClipConfig``).
    Its state goes into Megatron's ``fsdp_dtensor`` checkpoints by parameter name
    (``ckpt_format="fsdp_dtensor"``: ``checkpointed_optimizer.MegatronCheckpointedOptimizer``).
    Stock megatron-core 0.19.2 would build a ``TensorParallelMuon`` that trains nothing under
@@ -85,6 +86,7 @@ from typing import Any
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.fsdp.arguments import fsdp_config_from_args, qk_clip_config_from_args
 from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
@@ -96,6 +98,10 @@ from megatron_muon.integrations.megatron_lm_arguments import (
     extra_args_provider,
     muon_meets_megatron_fsdp,
     with_muon_args,
+)
+from megatron_muon.integrations.megatron_version import (
+    SUPPORTED_MEGATRON_CORE,
+    check_megatron_core_version,
 )
 
 __all__ = [
@@ -109,10 +115,6 @@ __all__ = [
     "uses_megatron_fsdp",
     "MegatronCheckpointedOptimizer",
 ]
-
-# The megatron-core versions whose patched functions were read (module docstring); pyproject.toml's
-# dependency on megatron-core is the same range.
-SUPPORTED_MEGATRON_CORE = ">=0.19.0,<0.20"
 
 _INSTALLED = False
 # Marks our get_megatron_optimizer: a caller (or test) can tell it from Megatron's own.
@@ -173,30 +175,6 @@ def _helpers_already_built() -> None:
     """``compile_helpers`` with the wheel's built ``helpers_cpp`` present: nothing to build."""
 
 
-def check_megatron_core_version(patcher: str = __name__) -> None:
-    """Raises unless the installed megatron-core is in ``SUPPORTED_MEGATRON_CORE``.
-
-    Every module of ``megatron_muon.integrations`` that patches Megatron calls it before patching;
-    ``patcher`` names that module in the error.
-
-    Raises:
-        RuntimeError: another megatron-core version is installed.
-    """
-    from packaging.specifiers import SpecifierSet
-
-    package_info = importlib.import_module("megatron.core.package_info")
-    version = package_info.__version__
-    # prereleases=True: a 0.19.x release candidate is in range, a 0.19.0rc is not (< 0.19.0).
-    if not SpecifierSet(SUPPORTED_MEGATRON_CORE).contains(version, prereleases=True):
-        raise RuntimeError(
-            f"{patcher} patches megatron.training functions as they "
-            f"are in megatron-core {SUPPORTED_MEGATRON_CORE}; megatron-core {version} is "
-            f"installed. Install a supported version (pip install 'megatron-core"
-            f"{SUPPORTED_MEGATRON_CORE}'), or check the patched functions (see this module's "
-            "docstring) against it and widen SUPPORTED_MEGATRON_CORE."
-        )
-
-
 # --------------------------------------------------------------------------------------------------
 # 3. get_megatron_optimizer (1 and 2: megatron_lm_arguments)
 # --------------------------------------------------------------------------------------------------
@@ -231,11 +209,11 @@ def _build_for_megatron_loop(
     Megatron's ``train_step`` runs ``finalize_model_grads`` (which calls ``finish_grad_sync`` on
     every chunk) before ``optimizer.step()``; a second call would reduce gradients twice and
     corrupt the ``optim`` strategy, hence ``grads_already_synced``. Megatron's flags arrive as
-    ``MuonFsdpConfig.from_args`` (``--muon-fsdp-mode`` ..., QK-clip) and
-    ``--check-for-nan-in-loss-and-grad`` (Megatron's default; off with its ``--no-`` form).
+    ``fsdp_config_from_args`` (``--muon-fsdp-mode`` ...), ``qk_clip_config_from_args``
+    (``--qk-clip`` ...) and ``--check-for-nan-in-loss-and-grad`` (Megatron's default; off with its
+    ``--no-`` form).
     """
     from megatron_muon.fsdp.factory import build_muon_optimizer
-    from megatron_muon.sharded.config import MuonFsdpConfig
 
     args = megatron_args()
     return build_muon_optimizer(
@@ -243,7 +221,8 @@ def _build_for_megatron_loop(
         model_chunks,
         config_overrides=config_overrides,
         pg_collection=pg_collection,
-        fsdp_config=MuonFsdpConfig.from_args(args) if args is not None else None,
+        fsdp_config=fsdp_config_from_args(args) if args is not None else None,
+        qk_clip=qk_clip_config_from_args(args) if args is not None else None,
         grads_already_synced=True,
         ckpt_format="fsdp_dtensor",
         stop_on_nonfinite_grad_norm=(

@@ -4,7 +4,9 @@
 check (``SUPPORTED_MEGATRON_CORE``); what each does and why is in that module's docstring (items 1
 and 2) and in each function's below.
 
-- ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``.
+- ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
+  every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
+  works.
 - ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon with Megatron-FSDP gets past the two
   refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is
   taken over, HSDP turns ``--overlap-grad-reduce`` on and the Muon flags' values are checked.
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
 from megatron_muon.fsdp.arguments import check_muon_args
 
 __all__ = [
+    "escape_bare_percent_in_help",
     "extra_args_provider",
     "with_muon_args",
     "muon_meets_megatron_fsdp",
@@ -50,11 +54,32 @@ def with_muon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
         def both(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if extra_args_provider_fn is not None:
                 parser = extra_args_provider_fn(parser)
-            return extra_args_provider(parser)
+            return escape_bare_percent_in_help(extra_args_provider(parser))
 
         return parse_args(both, *args, **kwargs)
 
     return parse_args_with_muon
+
+
+# What argparse's help formatting (``help % params``) reads as its own: ``%%`` or
+# ``%(name)<conversion>``; any other ``%`` is bare.
+_HELP_FORMAT = re.compile(r"%%|%\([^)]*\)[-#0 +]*\d*(?:\.\d+)?[diouxXeEfFgGcrsa]|%")
+
+
+def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` with every bare ``%`` in its actions' help doubled, so that ``--help`` formats.
+
+    argparse formats each help string with ``%`` (for ``%(default)s``), so one bare ``%`` stops
+    ``--help`` with "unsupported format character": megatron-core 0.19.2's help of
+    ``--moe-paged-stash-buffer-size-factor-cuda`` ends "e.g. 1.10 = 10%)." (Megatron-LM's own
+    ``pretrain_gpt.py --help`` fails the same way). ``%%`` and ``%(name)s`` are kept; idempotent.
+    """
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            action.help = _HELP_FORMAT.sub(
+                lambda match: "%%" if match.group() == "%" else match.group(), action.help
+            )
+    return parser
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,11 +138,10 @@ def _take_over_qk_clip(args: argparse.Namespace) -> None:
     compute weights that the next ``install_optimized_model_weights`` overwrites from the main
     weights (the clip would be lost), and it needs TE >= 2.9 for the max logits (``validate_args``
     asserts it). So ``args.qk_clip`` is turned off here (Megatron's ``clip_qk`` then never runs,
-    nor its TE check) and ``args.muon_qk_clip`` on:
-    ``megatron_muon.sharded.config.qk_clip_threshold``
-    reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold``, run by the step
-    wrapper on the main weights' row shards before they are installed. ``--qk-clip-alpha`` is
-    not used (see ``megatron_muon.fsdp.arguments``).
+    nor its TE check) and ``args.muon_qk_clip`` on: ``fsdp.arguments.qk_clip_config_from_args``
+    reads it and the factory builds a ``QKClip`` with ``--qk-clip-threshold`` and
+    ``--qk-clip-alpha``, run by the step wrapper on the main weights' row shards before they are
+    installed.
     """
     if getattr(args, "qk_clip", False):
         args.qk_clip = False

@@ -281,7 +281,6 @@ def plan_split_owners(
     if not sizes or not splittable or best.max_over_mean <= tolerance:
         return best
 
-    # Per-rank shares of each splittable matrix for each block size (index 0: unsplit).
     # Per-rank FLOPs of each splittable matrix for each block size (index 0: unsplit), and the
     # planning cost: FLOPs plus the split traffic priced at flops_per_byte.
     table: dict[tuple[tuple[int, int], ...], tuple[list, list]] = {}

@@ -35,7 +35,7 @@ from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
 from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT, ns_flops
-from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES, MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, local_tensor
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
@@ -51,6 +51,9 @@ from megatron_muon.sharded.tensor_parallel import (
 )
 
 __all__ = ["ShardedMuon", "StepStats"]
+
+# The megatron-muon keywords' defaults are MuonFsdpConfig's.
+_FSDP_DEFAULTS = MuonFsdpConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,8 @@ class _Plan:
 class ShardedMuon(TensorParallelMuon):
     """Muon on data-parallel row-sharded params (Megatron-FSDP), exact and hang-free.
 
-    Takes ``TensorParallelMuon``'s keywords with the same defaults, plus:
+    Takes ``TensorParallelMuon``'s keywords with the same defaults, plus (those that
+    ``MuonFsdpConfig`` holds with its defaults):
 
     Args:
         dp_group: process group the rows are sharded over: ``pg_collection.dp_cp`` for dense params,
@@ -169,14 +173,14 @@ class ShardedMuon(TensorParallelMuon):
         tp_mode: TpModeT = "duplicated",
         *,
         dp_group: dist.ProcessGroup | None = None,
-        mode: FsdpModeT = "owner",
-        bucket_size_bytes: int | None = DEFAULT_BUCKET_SIZE_BYTES,
-        overlap_buckets: bool = False,
-        ns_method: NSMethodT = "standard",
+        mode: FsdpModeT = _FSDP_DEFAULTS.mode,
+        bucket_size_bytes: int | None = _FSDP_DEFAULTS.bucket_size_bytes,
+        overlap_buckets: bool = _FSDP_DEFAULTS.overlap_buckets,
+        ns_method: NSMethodT = _FSDP_DEFAULTS.ns_method,
         custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
-        gram_restarts: tuple[int, ...] | None = None,
-        gram_half_dtype: GramHalfDtypeT = "float16",
-        offload_momentum: bool = False,
+        gram_restarts: tuple[int, ...] | None = _FSDP_DEFAULTS.gram_restarts,
+        gram_half_dtype: GramHalfDtypeT = _FSDP_DEFAULTS.gram_half_dtype,
+        offload_momentum: bool = _FSDP_DEFAULTS.offload_momentum,
         min_split_flops: int = 10**11,
     ) -> None:
         # Refused at construction: values that would step uphill or fail only at the first step.

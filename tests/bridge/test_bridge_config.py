@@ -42,17 +42,16 @@ def test_from_config_keeps_every_field_of_a_recipe_config_and_sets_ours() -> Non
     assert scheduler == recipe_scheduler
 
 
-def test_qk_clip_set_on_both_model_and_muon_fsdp_is_refused() -> None:
-    from megatron_muon.integrations.megatron_bridge import _with_model_qk_clip
-    from megatron_muon.sharded.config import MuonFsdpConfig
+def test_qk_clip_comes_from_the_models_qk_clip_fields_when_its_switch_is_on() -> None:
+    from megatron_muon import QKClipConfig
+    from megatron_muon.integrations.megatron_bridge import _model_qk_clip
 
     model = SimpleNamespace(qk_clip=True, qk_clip_threshold=50.0, qk_clip_alpha=0.3)
-    taken = _with_model_qk_clip(MuonFsdpConfig(), model)
-    assert (taken.qk_clip_threshold, taken.qk_clip_alpha) == (50.0, 0.3)
+    assert _model_qk_clip(model) == QKClipConfig(threshold=50.0, alpha=0.3)
     off = SimpleNamespace(qk_clip=False, qk_clip_threshold=50.0, qk_clip_alpha=0.3)
-    assert _with_model_qk_clip(MuonFsdpConfig(), off) == MuonFsdpConfig()
-    with pytest.raises(ValueError, match="QK-clip is set twice"):
-        _with_model_qk_clip(MuonFsdpConfig(qk_clip_threshold=20.0), model)
+    assert _model_qk_clip(off) is None
+    with pytest.raises(ValueError, match="QK-clip alpha must be in"):
+        _model_qk_clip(SimpleNamespace(qk_clip=True, qk_clip_threshold=50.0, qk_clip_alpha=1.5))
 
 
 def test_another_megatron_bridge_version_is_refused_naming_the_range(
