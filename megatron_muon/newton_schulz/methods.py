@@ -86,6 +86,9 @@ _REPEAT_LAST_TYPES: frozenset[str] = frozenset({"polar_express", "cans", "deepse
 # --------------------------------------------------------------------------------------------------
 
 NSMethodT = Literal["standard", "gram", "symmetric"]
+# The default NS method everywhere (ShardedMuon, the flags, the plan tool): the iteration
+# megatron-core's TensorParallelMuon runs, so that ours equals it bitwise.
+DEFAULT_NS_METHOD: NSMethodT = "standard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +180,7 @@ class NSConfig:
     coefficient_type: NSCoeffT = "quintic"
     scale_mode: MuonScaleT = "spectral"
     extra_scale_factor: float = 1.0
-    ns_method: NSMethodT = "standard"
+    ns_method: NSMethodT = DEFAULT_NS_METHOD
     custom_coefficient_sets: tuple[CoefficientT, ...] | None = None
     gram_restarts: tuple[int, ...] | None = None
     gram_half_dtype: GramHalfDtypeT = "float16"
@@ -269,7 +272,7 @@ def ns_flops(
     rows: int,
     cols: int,
     num_ns_steps: int,
-    ns_method: NSMethodT = "standard",
+    ns_method: NSMethodT = DEFAULT_NS_METHOD,
     gram_restarts: Sequence[int] | None = None,
 ) -> int:
     """Matmul FLOPs of ``num_ns_steps`` NS iterations of ``ns_method`` on a ``(rows, cols)`` matrix.

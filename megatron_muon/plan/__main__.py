@@ -14,7 +14,7 @@ import json
 import sys
 from typing import get_args
 
-from megatron_muon.newton_schulz.methods import NSMethodT
+from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
 from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
 from megatron_muon.plan.report import analyze, format_report
 
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ns-method",
         choices=get_args(NSMethodT),
-        default="standard",
+        default=DEFAULT_NS_METHOD,
         help="--muon-ns-method: the NS method, priced through its FLOP count",
     )
     parser.add_argument(

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from megatron_muon.newton_schulz.methods import NSMethodT
+from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import ModelSpec, Parallelism, muon_matrices
 from megatron_muon.plan.strategies import STRATEGIES, GroupCost, GroupInput, cost_of, plan_for
@@ -65,7 +65,7 @@ class PlanReport:
     own_shard_bytes_mean: float
     planner_seconds: float
     strategies: tuple[StrategyFigures, ...]
-    ns_method: str = "standard"
+    ns_method: str = DEFAULT_NS_METHOD
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -95,7 +95,7 @@ def analyze(
     max_split: int = 16,
     bucket_bytes: int | None = None,
     flops_per_byte: float = 0.0,
-    ns_method: NSMethodT = "standard",
+    ns_method: NSMethodT = DEFAULT_NS_METHOD,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> PlanReport:
     """Builds the Muon matrices, their FSDP layout, and every strategy's figures."""

@@ -41,10 +41,10 @@ from megatron_muon.newton_schulz.cost_model import (
     split_dim_of_pieces,
     split_ns_bytes,
 )
-from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
+from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSConfig, NSMethodT
 from megatron_muon.plan.models import Matrix
 from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.planner import OwnerPlan
+from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
 from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
@@ -80,8 +80,8 @@ class GroupInput:
     max_split: int = 16
     bucket_bytes: int | None = None
     flops_per_byte: float = 0.0
-    min_split_cost: int = 10**11
-    ns_method: NSMethodT = "standard"
+    min_split_cost: int = MIN_SPLIT_FLOPS
+    ns_method: NSMethodT = DEFAULT_NS_METHOD
 
     @property
     def ns_config(self) -> NSConfig:

@@ -41,6 +41,11 @@ __all__ = ["OwnerPlan", "place_near_rows", "plan_owners", "plan_split_owners"]
 
 # Improvement passes of ``place_near_rows`` (each over the matrices not on their best rank).
 _LOCALITY_PASSES = 8
+# Matrices whose NS costs less than this many FLOPs are never split over ranks (the default of
+# ``plan_split_owners``, ``plan_step`` and ``ShardedMuon``): a split adds ``1 + 2 * num_ns_steps``
+# collectives per piece (tens of microseconds each); 1e11 FLOPs is about a quarter of a
+# millisecond of bf16 NS on an H100.
+MIN_SPLIT_FLOPS = 10**11
 # Target shares tried: T, T/2, ... (finer ones let big matrices split further than small ones).
 _GRANULARITIES = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -215,7 +220,7 @@ def plan_split_owners(
     max_split: int = 16,
     tolerance: float = 1.05,
     slack: float = 0.01,
-    min_split_cost: int = 10**11,
+    min_split_cost: int = MIN_SPLIT_FLOPS,
     flops_per_byte: float = 0.0,
     element_bytes: int = 2,
     num_targets: int = 6,
@@ -243,9 +248,7 @@ def plan_split_owners(
         max_split: largest block of ranks one matrix may be split over (a power of two).
         tolerance: max/mean load under which the unsplit plan is kept as is.
         slack: relative makespan a plan may give up for less splitting.
-        min_split_cost: matrices cheaper than this are never split. A split adds ``1 + 2 *
-            num_ns_steps`` collectives per piece (tens of microseconds each); 1e11 FLOPs is about
-            a quarter of a millisecond of bf16 NS on an H100.
+        min_split_cost: matrices cheaper than this are never split (``MIN_SPLIT_FLOPS``: why).
         flops_per_byte: what one byte of split-NS traffic costs in NS FLOPs (e.g. NS throughput
             over link bandwidth, ~1e3 over NVLink, ~1e4 over InfiniBand): each split member's
             load counts its share of FLOPs plus this times ``split_ns_bytes``, so splits whose

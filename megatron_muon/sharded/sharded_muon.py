@@ -40,7 +40,7 @@ from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, 
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
 from megatron_muon.sharded.owner_pipeline import BucketRuntime
-from megatron_muon.sharded.planner import OwnerPlan
+from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
 from megatron_muon.sharded.qkv import qkv_split_shapes
 from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
 from megatron_muon.sharded.tensor_parallel import (
@@ -181,7 +181,7 @@ class ShardedMuon(TensorParallelMuon):
         gram_restarts: tuple[int, ...] | None = _FSDP_DEFAULTS.gram_restarts,
         gram_half_dtype: GramHalfDtypeT = _FSDP_DEFAULTS.gram_half_dtype,
         offload_momentum: bool = _FSDP_DEFAULTS.offload_momentum,
-        min_split_flops: int = 10**11,
+        min_split_flops: int = MIN_SPLIT_FLOPS,
     ) -> None:
         # Refused at construction: values that would step uphill or fail only at the first step.
         # The Muon and megatron-muon keywords are checked by their configs (config.py).

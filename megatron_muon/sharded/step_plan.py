@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.sharded.planner import (
+    MIN_SPLIT_FLOPS,
     OwnerPlan,
     place_near_rows,
     plan_owners,
@@ -142,7 +143,7 @@ def plan_step(
     ns_config: NSConfig,
     *,
     bucket_size_bytes: int | None = None,
-    min_split_flops: int = 10**11,
+    min_split_flops: int = MIN_SPLIT_FLOPS,
     max_split: int = 16,
     flops_per_byte: float = 0.0,
     element_bytes: int = 2,
