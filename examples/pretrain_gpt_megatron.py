@@ -10,7 +10,7 @@ from megatron_muon.integrations.megatron_lm import install; install()  # noqa: E
 # ``megatron_muon.integrations.megatron_lm``). Batches are built as Megatron-LM's ``get_batch``
 # builds them. Tensor (every ``--muon-tp-mode``), expert and data parallelism (HSDP too); no
 # pipeline parallelism (megatron-core 0.19.2's Megatron-FSDP cannot wrap a pipeline stage) and no
-# context parallelism (it needs Transformer Engine's attention): see the README's parallelism table.
+# context parallelism (it needs Transformer Engine's attention): see docs/parallelism.md.
 #
 # Two CPU ranks (gloo), tiny GPT, mock data::
 #

@@ -364,7 +364,7 @@ def test_megatron_fsdp_of_megatron_core_cannot_wrap_a_pipeline_stage() -> None:
     # Stock megatron-core 0.19.2 lays the whole world out as dp_cp x ep x tp when it builds the
     # Megatron-FSDP mesh (mcore_fsdp_adapter.py:561), so with 2 pipeline stages the wrapper fails
     # before any optimizer exists, Adam or Muon; when a release can, this test fails and the
-    # README's parallelism table must be revisited.
+    # table in docs/parallelism.md must be revisited.
     outcomes = run_on_ranks(_wrap_a_pipeline_stage, 2, timeout=120)
     for outcome in outcomes:
         assert "(dp_cp ep tp) -> ep dp_cp tp" in outcome, outcome

@@ -28,7 +28,7 @@ their files). Bytes altered after the save without changing a size go unnoticed,
 when version 1 was current.
 
 Cost of the hashes: each file is read once more, by one rank, at save and at load (measured in
-the README's checkpoint section).
+docs/checkpoints.md).
 """
 
 from __future__ import annotations
