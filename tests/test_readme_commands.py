@@ -36,9 +36,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-# `--help` that stops on a bare '%' in a stock megatron-core 0.19.2 help string ("unsupported
-# format character"), fixed on a branch being merged; remove these entries once it is in.
-HELP_FIXED_AT_MERGE = {"megatron_muon.pretrain", "examples/pretrain_gpt_megatron.py"}
 # Files that other branches add at merge (the demo's committed plot); remove once they are in.
 LANDS_AT_MERGE = {"docs/demo_loss.png"}
 
@@ -178,12 +175,7 @@ def _check(command: Command) -> None:
 def _params() -> list[object]:
     params = []
     for command in COMMANDS:
-        marks = []
-        target = _python_target(command.argv)
-        if command.mode == "check" and target is not None and target[-1] in HELP_FIXED_AT_MERGE:
-            reason = "megatron-core's bare '%' in a help string; fixed on another branch"
-            marks.append(pytest.mark.xfail(strict=False, reason=reason))
-        params.append(pytest.param(command, id=command.where, marks=marks))
+        params.append(pytest.param(command, id=command.where))
     return params
 
 
