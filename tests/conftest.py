@@ -13,7 +13,7 @@ Tests that launch several processes carry ``@pytest.mark.multirank`` (registered
 import pytest
 import torch
 
-from tests import harness
+from megatron_muon.testing import ranks as harness
 
 torch.set_num_threads(1)
 

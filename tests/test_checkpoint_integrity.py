@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_muon.testing.ranks import run_on_ranks
 from tests.checkpoint_toys import (
     _assert_bitwise_equal,
     _assert_loads_fail,
@@ -36,7 +37,6 @@ from tests.checkpoint_toys import (
     _train,
     _train_save_train,
 )
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 

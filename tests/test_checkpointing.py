@@ -24,6 +24,7 @@ import os
 import pytest
 import torch
 
+from megatron_muon.testing.ranks import run_on_ranks
 from tests.checkpoint_toys import (
     DIM,
     _assert_bitwise_equal,
@@ -35,7 +36,6 @@ from tests.checkpoint_toys import (
     _train,
     _train_save_train,
 )
-from tests.harness import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks

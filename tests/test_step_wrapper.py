@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
+from megatron_muon.testing.ranks import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 

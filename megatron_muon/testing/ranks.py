@@ -50,7 +50,7 @@ _PRELOAD = [
     "megatron_fsdp",
     "emerging_optimizers",
     "megatron_muon",
-    "tests.harness",
+    "megatron_muon.testing.ranks",
 ]
 
 _contexts: dict[str, Any] = {}
