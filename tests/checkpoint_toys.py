@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS
 
 GLOBAL_BATCH = 12  # divisible by every DP size used here

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import (
     _assert_bitwise_equal,
     _assert_loads_fail,

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import (
     DIM,
     _assert_bitwise_equal,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.checkpoint_toys import _assert_bitwise_equal, _local_snapshot
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests import gpu_runs
 from tests.torchrun import parse_iteration_lines
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import NUM_STEPS, _assemble, _build, _rows, _step
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_muon.testing.ranks import RankFailure, RankTimeout, run_on_ranks
+from megatron_muon.testing import RankFailure, RankTimeout, run_on_ranks
 from tests.fsdp_models import ToyMLP, fully_shard_toy
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks

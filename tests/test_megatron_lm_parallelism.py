@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls, assert_same_losses
 from tests.torchrun import MUON_FLAGS, MegatronRun, run_megatron
 

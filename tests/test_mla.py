@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
 

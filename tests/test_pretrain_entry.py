@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.torchrun import (
     REPO,
     MegatronRun,

@@ -15,7 +15,7 @@ import torch
 
 from megatron_muon.fsdp.qk_clip import head_clip_factors
 from megatron_muon.fsdp.qk_clip_rows import qkv_row_scales
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.fsdp_models import fully_shard_attention
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 8, 6, 4

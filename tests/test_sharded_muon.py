@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 
 TOLERANCE = 1e-6
 MUON_KWARGS = dict(

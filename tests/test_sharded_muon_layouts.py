@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.test_sharded_muon import MUON_KWARGS, TOLERANCE, _full_tensor
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.test_sharded_muon import (
     MUON_KWARGS,
     TOLERANCE,

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_muon.testing.ranks import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
 

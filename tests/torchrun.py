@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_muon.testing.ranks import require_multirank_marker
+from tests.multirank import require_multirank_marker
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "megatron_lm_driver.py"
