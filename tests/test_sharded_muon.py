@@ -13,115 +13,14 @@ import pytest
 import torch
 
 from megatron_muon.testing import run_on_ranks
-
-TOLERANCE = 1e-6
-MUON_KWARGS = dict(
-    lr=0.02,
-    momentum=0.9,
-    nesterov=True,
-    weight_decay=0.05,
-    fp32_matmul_prec="highest",
-    coefficient_type="quintic",
-    num_ns_steps=5,
-    scale_mode="spectral",
-    tp_mode="blockwise",
+from tests.muon_reference import MUON_KWARGS, TOLERANCE, full_tensor
+from tests.row_split_parity import (
+    relative_errors,
+    run_constructed_splits,
+    set_sharded_grad,
+    sharded_param,
+    splits_for_rows,
 )
-
-
-def _offsets(rows: list[int]) -> list[int]:
-    return [sum(rows[:r]) for r in range(len(rows))]
-
-
-def _full_tensor(shape, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _sharded_param(full: torch.Tensor, rows: list[int], rank: int, mesh) -> torch.nn.Parameter:
-    from torch.distributed.tensor import DTensor, Shard
-
-    start = _offsets(rows)[rank]
-    local = full[start : start + rows[rank]].clone()
-    return torch.nn.Parameter(
-        DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-        )
-    )
-
-
-def _set_sharded_grad(
-    param, full_grad: torch.Tensor, rows: list[int], rank: int, none_if_empty: bool
-):
-    from torch.distributed.tensor import DTensor
-
-    start = _offsets(rows)[rank]
-    if rows[rank] == 0 and none_if_empty:
-        param.grad = None
-        return
-    local = full_grad[start : start + rows[rank]].clone()
-    param.grad = DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
-
-
-def _relative_errors(params, optimizer, reference_params, reference, row_starts) -> dict:
-    """Max over params of ||mine - reference rows|| / ||reference full||, params and momentum."""
-    from megatron_muon.sharded.layout import local_tensor
-
-    worst = {"param": 0.0, "momentum": 0.0}
-    for p, ref, start in zip(params, reference_params, row_starts, strict=True):
-        local = local_tensor(p.detach())
-        rows = slice(start, start + local.shape[0])
-        momentum = local_tensor(optimizer.state[p]["momentum_buffer"])
-        ref_momentum = reference.state[ref]["momentum_buffer"]
-        for key, mine, full in (
-            ("param", local, ref.detach()),
-            ("momentum", momentum, ref_momentum),
-        ):
-            error = ((mine - full[rows]).norm() / full.norm()).item()
-            worst[key] = max(worst[key], error)
-    return worst
-
-
-def _run_constructed_splits(
-    rank: int,
-    world_size: int,
-    shapes: list[tuple[int, int]],
-    splits: list[list[int]],
-    mode: str,
-    steps: int,
-    extra: dict | None = None,
-    sharded_only: dict | None = None,
-) -> dict:
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from megatron_muon import ShardedMuon
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    extra = extra or {}
-    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(shapes)]
-    params = [_sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS, **extra, **(sharded_only or {}))
-    reference = TensorParallelMuon(reference_params, **MUON_KWARGS, **extra)
-    for step in range(steps):
-        for i, (p, ref, rows) in enumerate(zip(params, reference_params, splits, strict=True)):
-            grad = _full_tensor(ref.shape, seed=1000 * step + i + 100)
-            ref.grad = grad.clone()
-            _set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
-        optimizer.step()
-        reference.step()
-    errors = _relative_errors(
-        params, optimizer, reference_params, reference, [_offsets(r)[rank] for r in splits]
-    )
-    locals_ = [p.to_local().detach().clone() for p in params]
-    return {"errors": errors, "stats": optimizer.step_stats, "locals": locals_}
-
 
 SHAPES = [(48, 16), (16, 48), (33, 7), (7, 33)]
 
@@ -152,7 +51,7 @@ def _splits_for(world_size: int, kind: str) -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["owner", "gather"])
 def test_matches_unsharded_muon_on_constructed_row_splits(world_size, kind, mode):
     splits = _splits_for(world_size, kind)
-    results = run_on_ranks(_run_constructed_splits, world_size, SHAPES, splits, mode, 3)
+    results = run_on_ranks(run_constructed_splits, world_size, SHAPES, splits, mode, 3)
     for rank, result in enumerate(results):
         assert result["errors"]["param"] <= TOLERANCE, (rank, result["errors"])
         assert result["errors"]["momentum"] <= TOLERANCE, (rank, result["errors"])
@@ -161,8 +60,8 @@ def test_matches_unsharded_muon_on_constructed_row_splits(world_size, kind, mode
 @pytest.mark.multirank
 def test_owner_and_gather_modes_give_the_same_params():
     splits = _splits_for(3, "uneven")
-    owner = run_on_ranks(_run_constructed_splits, 3, SHAPES, splits, "owner", 2)
-    gather = run_on_ranks(_run_constructed_splits, 3, SHAPES, splits, "gather", 2)
+    owner = run_on_ranks(run_constructed_splits, 3, SHAPES, splits, "owner", 2)
+    gather = run_on_ranks(run_constructed_splits, 3, SHAPES, splits, "gather", 2)
     for o, g in zip(owner, gather, strict=True):
         for a, b in zip(o["locals"], g["locals"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -175,23 +74,17 @@ def test_the_check_would_catch_newton_schulz_on_local_pieces():
 
     torch.set_float32_matmul_precision("highest")
     config = NSConfig()
-    full = _full_tensor((48, 16), seed=3)
+    full = full_tensor((48, 16), seed=3)
     whole = scaled_orthogonalize(full, config)
     pieces = torch.cat([scaled_orthogonalize(part, config) for part in full.split([20, 28])])
     assert ((pieces - whole).norm() / whole.norm()).item() > 1e3 * TOLERANCE
 
 
 def _run_balance(rank: int, world_size: int, shapes: list[tuple[int, int]]) -> dict:
-    splits = [_splits_for_rows(rows, world_size) for rows, _ in shapes]
-    owner = _run_constructed_splits(rank, world_size, shapes, splits, "owner", 1)
-    gather = _run_constructed_splits(rank, world_size, shapes, splits, "gather", 1)
+    splits = [splits_for_rows(rows, world_size) for rows, _ in shapes]
+    owner = run_constructed_splits(rank, world_size, shapes, splits, "owner", 1)
+    gather = run_constructed_splits(rank, world_size, shapes, splits, "gather", 1)
     return {"owner": owner["stats"], "gather": gather["stats"], "errors": owner["errors"]}
-
-
-def _splits_for_rows(rows: int, world_size: int) -> list[int]:
-    base = [rows // world_size] * world_size
-    base[-1] += rows - sum(base)
-    return base
 
 
 def _transformer_shapes(num_layers: int, hidden: int) -> list[tuple[int, int]]:
@@ -239,7 +132,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
     rows = {}
     for step in range(3):
         for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
-            grad = _full_tensor(ref.shape, seed=1000 * step + i)
+            grad = full_tensor(ref.shape, seed=1000 * step + i)
             ref.grad = grad.clone()
             local = local_tensor(p)
             start = p.megatron_fsdp_slice.start // ref.shape[1] if local.shape != ref.shape else 0
@@ -258,7 +151,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
             )
         optimizer.step()
         reference.step()
-    errors = _relative_errors(
+    errors = relative_errors(
         params, optimizer, reference_params, reference, [rows[n][0] for n in names]
     )
     return {"errors": errors, "rows": rows}
@@ -282,9 +175,7 @@ def test_matches_unsharded_muon_on_a_real_megatron_fsdp_layout(world_size, strat
 
 @pytest.mark.multirank
 def test_dp1_needs_no_exchange_and_matches_unsharded_muon():
-    [result] = run_on_ranks(
-        _run_constructed_splits, 1, SHAPES, [[r] for r, _ in SHAPES], "owner", 3
-    )
+    [result] = run_on_ranks(run_constructed_splits, 1, SHAPES, [[r] for r, _ in SHAPES], "owner", 3)
     assert result["errors"]["param"] <= TOLERANCE and result["errors"]["momentum"] <= TOLERANCE
     assert result["stats"].num_collectives == 0
     assert result["stats"].bytes_sent == 0
@@ -292,7 +183,7 @@ def test_dp1_needs_no_exchange_and_matches_unsharded_muon():
 
 def _run_ns_method(rank: int, world_size: int, ns_method: str) -> list[torch.Tensor]:
     splits = _splits_for(world_size, "empty") if world_size > 1 else [[r] for r, _ in SHAPES]
-    result = _run_constructed_splits(
+    result = run_constructed_splits(
         rank, world_size, SHAPES, splits, "owner", 2, sharded_only={"ns_method": ns_method}
     )
     return result["locals"]
@@ -319,19 +210,17 @@ def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,))
     splits = _splits_for(world_size, "empty")
-    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
+    fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
 
     def build():
-        params = [
-            _sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)
-        ]
+        params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
         return params, ShardedMuon(params, offload_momentum=offload, **MUON_KWARGS)
 
     def train(params, optimizer, steps, first):
         for step in range(first, first + steps):
             for i, (p, rows) in enumerate(zip(params, splits, strict=True)):
-                grad = _full_tensor(p.shape, seed=1000 * step + i + 100)
-                _set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
+                grad = full_tensor(p.shape, seed=1000 * step + i + 100)
+                set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
             optimizer.step()
 
     params, optimizer = build()
@@ -381,14 +270,14 @@ def test_runs_in_a_single_process_without_torch_distributed():
     from megatron_muon import ShardedMuon
 
     assert not torch.distributed.is_initialized()
-    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
+    fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
     params = [torch.nn.Parameter(f.clone()) for f in fulls]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
     optimizer = ShardedMuon(params, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     for step in range(2):
         for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
-            p.grad = _full_tensor(p.shape, seed=10 * step + i)
+            p.grad = full_tensor(p.shape, seed=10 * step + i)
             ref.grad = p.grad.clone()
         optimizer.step()
         reference.step()

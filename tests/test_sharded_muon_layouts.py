@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_muon.testing import run_on_ranks
-from tests.test_sharded_muon import MUON_KWARGS, TOLERANCE, _full_tensor
+from tests.muon_reference import MUON_KWARGS, TOLERANCE, full_tensor
+from tests.row_split_parity import run_constructed_splits, splits_for_rows
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -67,7 +68,7 @@ def _step_both(params, reference_params, optimizer, reference, grad_rows, steps:
     """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
     for step in range(steps):
         for i, ref in enumerate(reference_params):
-            grad = _full_tensor(ref.shape, seed=1000 * step + i + 7)
+            grad = full_tensor(ref.shape, seed=1000 * step + i + 7)
             ref.grad = grad.clone()
             params[i].grad = grad_rows(i, grad)
         optimizer.step()
@@ -90,7 +91,7 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     inner = mesh.get_coordinate()[1]
     shapes = [(48, 16), (16, 48), (33, 7)]
     splits = [[20, 28], [16, 0], [3, 30]]
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     params, reference_params, grad_rows = _sharded_and_full(
         fulls, splits, inner, mesh, [Replicate(), Shard(0)]
@@ -141,7 +142,7 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             ((hidden, 2 * hidden), 1, [32, 0], False),
             ((48, hidden), 0, [10, 14], False),
         ]
-        fulls = [_full_tensor(shape, seed=i) for i, (shape, *_rest) in enumerate(specs)]
+        fulls = [full_tensor(shape, seed=i) for i, (shape, *_rest) in enumerate(specs)]
 
         def tp_local(i: int, full: torch.Tensor) -> torch.Tensor:
             return full.chunk(2, dim=specs[i][1])[tp_rank]
@@ -216,7 +217,7 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     shapes = [(5, 12, 8), (4, 8, 12), (24, 8)]  # two grouped expert tensors and a 2-D expert weight
     splits = [[2, 0, 3], [1, 3, 0], [9, 9, 6]]
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
@@ -238,11 +239,9 @@ def test_3d_expert_tensors_are_orthogonalized_per_expert_over_the_expert_dp_grou
 
 
 def _run_buckets(rank: int, world_size: int, bucket_size_bytes: int | None) -> dict:
-    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
-
     shapes = [(64, 32)] * 6 + [(32, 96)] * 3
-    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
-    return _run_constructed_splits(
+    splits = [splits_for_rows(r, world_size) for r, _ in shapes]
+    return run_constructed_splits(
         rank,
         world_size,
         shapes,
@@ -266,13 +265,11 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
 
 
 def _run_overlap(rank: int, world_size: int, overlap: bool) -> dict:
-    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
-
     shapes = [(64, 32)] * 6 + [(32, 96)] * 3
-    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
+    splits = [splits_for_rows(r, world_size) for r, _ in shapes]
     bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices: three buckets or more
     kwargs = {"bucket_size_bytes": bucket, "overlap_buckets": overlap}
-    return _run_constructed_splits(
+    return run_constructed_splits(
         rank, world_size, shapes, splits, "owner", 2, sharded_only=kwargs
     ) | {"bucket": bucket}
 
@@ -371,7 +368,7 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     shapes, qkv_split = SPLIT_CASES[case]
     mesh = init_device_mesh("cpu", (world_size,))
     splits = [[r // 2, 0, r - r // 2 - r // 4, r // 4] for r, _ in shapes]  # uneven, one empty
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     kwargs = dict(MUON_KWARGS)
