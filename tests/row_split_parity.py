@@ -2,15 +2,24 @@
 
 ``sharded_param`` makes rank ``rank``'s rows of a full matrix into a row-sharded (``Shard(0)``,
 uneven) DTensor; ``run_constructed_splits`` (a ``run_on_ranks`` rank body) steps ShardedMuon on
-such params and ``TensorParallelMuon`` on the full matrices side by side and returns the relative
-errors of this rank's rows (``relative_errors``), the step statistics and the local params.
+such params, ``TensorParallelMuon`` on the full matrices and the same Muon in float64 side by side
+and returns the relative errors of this rank's rows against the fp32 reference
+(``relative_errors``), their distances from float64 (``row_float64_distances``), the step
+statistics and the local params.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tests.muon_reference import MUON_KWARGS, full_tensor
+from tests.muon_reference import (
+    MUON_KWARGS,
+    Float64Distances,
+    Float64Muon,
+    float64_distances,
+    float64_params,
+    full_tensor,
+)
 
 
 def offsets(rows: list[int]) -> list[int]:
@@ -68,6 +77,26 @@ def relative_errors(params, optimizer, reference_params, reference, row_starts) 
     return worst
 
 
+def row_float64_distances(
+    params, reference_params, float64_params, row_starts
+) -> dict[str, Float64Distances]:
+    """Per param: this rank's rows of ours and of the fp32 reference, from the same rows of the
+    float64 run, relative to the whole float64 matrix."""
+    from megatron_muon.sharded.layout import local_tensor
+
+    distances = {}
+    for i, (p, ref, truth, start) in enumerate(
+        zip(params, reference_params, float64_params, row_starts, strict=True)
+    ):
+        local = local_tensor(p.detach())
+        rows = slice(start, start + local.shape[0])
+        full = truth.detach()
+        distances[f"param {i}"] = float64_distances(
+            local, ref.detach()[rows], full[rows], norm=full.norm()
+        )
+    return distances
+
+
 def run_constructed_splits(
     rank: int,
     world_size: int,
@@ -77,7 +106,10 @@ def run_constructed_splits(
     steps: int,
     extra: dict | None = None,
     sharded_only: dict | None = None,
+    zero_start: bool = False,
 ) -> dict:
+    """``zero_start``: every param starts at zero, so after one step it is the step's update
+    itself (``-lr * scaled NS``), not a small change to a larger weight that fp32 rounds."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,23 +117,34 @@ def run_constructed_splits(
 
     mesh = init_device_mesh("cpu", (world_size,))
     extra = extra or {}
-    fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(shapes)]
+    fulls = [
+        torch.zeros(shape) if zero_start else full_tensor(shape, seed=i)
+        for i, shape in enumerate(shapes)
+    ]
     params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    truth_params = float64_params(fulls)
     optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS, **extra, **(sharded_only or {}))
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS, **extra)
+    truth = Float64Muon(truth_params, **MUON_KWARGS, **extra)
     for step in range(steps):
         for i, (p, ref, rows) in enumerate(zip(params, reference_params, splits, strict=True)):
             grad = full_tensor(ref.shape, seed=1000 * step + i + 100)
             ref.grad = grad.clone()
+            truth_params[i].grad = grad.double()
             set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
         optimizer.step()
         reference.step()
-    errors = relative_errors(
-        params, optimizer, reference_params, reference, [offsets(r)[rank] for r in splits]
-    )
+        truth.step()
+    starts = [offsets(r)[rank] for r in splits]
+    errors = relative_errors(params, optimizer, reference_params, reference, starts)
     locals_ = [p.to_local().detach().clone() for p in params]
-    return {"errors": errors, "stats": optimizer.step_stats, "locals": locals_}
+    return {
+        "errors": errors,
+        "float64": row_float64_distances(params, reference_params, truth_params, starts),
+        "stats": optimizer.step_stats,
+        "locals": locals_,
+    }
 
 
 def splits_for_rows(rows: int, world_size: int) -> list[int]:

@@ -1,7 +1,9 @@
 """ShardedMuon on HSDP meshes, with tensor parallelism, on 3-D expert tensors, and in buckets.
 
 Each case compares against megatron-core's unsharded ``TensorParallelMuon`` on the full (TP-full,
-DP-full) matrices in one process, fp32 with highest matmul precision: relative error <= 1e-6.
+DP-full) matrices in one process, fp32 with highest matmul precision: relative error <= 1e-6; and
+against the same Muon in float64: within ``FLOAT64_DISTANCE_FACTOR`` times the fp32 reference's
+own distance from it (tests/muon_reference.py).
 """
 
 from __future__ import annotations
@@ -10,7 +12,15 @@ import pytest
 import torch
 
 from megatron_muon.testing import run_on_ranks
-from tests.muon_reference import MUON_KWARGS, TOLERANCE, full_tensor
+from tests.muon_reference import (
+    MUON_KWARGS,
+    TOLERANCE,
+    Float64Muon,
+    assert_ranks_within_float64_bound,
+    float64_distances,
+    float64_params,
+    full_tensor,
+)
 from tests.row_split_parity import run_constructed_splits, splits_for_rows
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
@@ -64,15 +74,39 @@ def _row_errors(params, reference_params, splits, position: int) -> list[float]:
     ]
 
 
-def _step_both(params, reference_params, optimizer, reference, grad_rows, steps: int) -> None:
-    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
+def _row_float64(params, reference_params, truth_params, splits, position: int) -> dict:
+    """Each param's local rows and its fp32 reference's, from the float64 run's same rows."""
+    return {
+        f"param {i}": float64_distances(
+            p.to_local(), ref.detach()[rows], truth.detach()[rows], norm=truth.detach().norm()
+        )
+        for i, (p, ref, truth) in enumerate(
+            zip(params, reference_params, truth_params, strict=True)
+        )
+        for rows in [_rows(splits[i], position)]
+    }
+
+
+def _float64_reference(reference_params, **kwargs) -> Float64Muon:
+    """Muon in float64 on copies of the full reference params (``_step_both`` steps it too)."""
+    return Float64Muon(float64_params(reference_params), **kwargs)
+
+
+def _step_both(
+    params, reference_params, optimizer, reference, grad_rows, steps: int, truth: Float64Muon
+) -> None:
+    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None); ``truth``, the
+    float64 run, steps on the same full grads."""
+    truth_params = truth.param_groups[0]["params"]
     for step in range(steps):
         for i, ref in enumerate(reference_params):
             grad = full_tensor(ref.shape, seed=1000 * step + i + 7)
             ref.grad = grad.clone()
+            truth_params[i].grad = grad.double()
             params[i].grad = grad_rows(i, grad)
         optimizer.step()
         reference.step()
+        truth.step()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,9 +132,15 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     )
     optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
+    truth = _float64_reference(reference_params, **MUON_KWARGS)
+    _step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
     error = max(_row_errors(params, reference_params, splits, inner))
-    return {"error": error, "locals": [p.to_local().detach().clone() for p in params]}
+    truth_params = truth.param_groups[0]["params"]
+    return {
+        "error": error,
+        "float64": _row_float64(params, reference_params, truth_params, splits, inner),
+        "locals": [p.to_local().detach().clone() for p in params],
+    }
 
 
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -108,6 +148,7 @@ def test_hsdp_replicas_stay_bitwise_equal_and_match_unsharded_muon(mode):
     results = run_on_ranks(_run_hsdp, 4, mode)
     for result in results:
         assert result["error"] <= TOLERANCE
+    assert_ranks_within_float64_bound(results)
     # ranks 0 and 2 (and 1 and 3) are replicas: same inner shard coordinate
     for a, b in ((0, 2), (1, 3)):
         for x, y in zip(results[a]["locals"], results[b]["locals"], strict=True):
@@ -176,19 +217,30 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             **{**kwargs, "tp_mode": tp_mode},
         )
         reference = TensorParallelMuon(reference_params, **kwargs)
+        truth = _float64_reference(reference_params, **kwargs)
         _step_both(
             params,
             reference_params,
             optimizer,
             reference,
             lambda i, g: None if specs[i][2][dp_rank] == 0 else dtensor(i, g),
-            steps=2,
+            2,
+            truth,
         )
-        errors = []
-        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
+        errors, distances = [], {}
+        truth_params = truth.param_groups[0]["params"]
+        for i, (p, ref, full64) in enumerate(
+            zip(params, reference_params, truth_params, strict=True)
+        ):
             expected = tp_local(i, ref.detach())[dp_rows(i)]
             errors.append(_relative(p.to_local(), expected, ref.detach()))
-        return {"errors": errors}
+            distances[f"param {i}"] = float64_distances(
+                p.to_local(),
+                expected,
+                tp_local(i, full64.detach())[dp_rows(i)],
+                norm=full64.detach().norm(),
+            )
+        return {"errors": errors, "float64": distances}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -199,6 +251,7 @@ def test_tp2_dp2_with_qkv_split_matches_unsharded_muon(tp_mode, mode):
     results = run_on_ranks(_run_tp_dp, 4, tp_mode, mode)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,8 +275,13 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
-    return {"errors": _row_errors(params, reference_params, splits, rank)}
+    truth = _float64_reference(reference_params, **MUON_KWARGS)
+    _step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
+    truth_params = truth.param_groups[0]["params"]
+    return {
+        "errors": _row_errors(params, reference_params, splits, rank),
+        "float64": _row_float64(params, reference_params, truth_params, splits, rank),
+    }
 
 
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -231,6 +289,7 @@ def test_3d_expert_tensors_are_orthogonalized_per_expert_over_the_expert_dp_grou
     results = run_on_ranks(_run_experts, 3, mode)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,6 +315,7 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
     bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices
     one_bucket = run_on_ranks(_run_buckets, 2, None)
     bucketed = run_on_ranks(_run_buckets, 2, bucket)
+    assert_ranks_within_float64_bound(bucketed)
     for whole, parts in zip(one_bucket, bucketed, strict=True):
         assert parts["errors"]["param"] <= TOLERANCE
         assert parts["stats"].peak_full_matrix_bytes <= bucket
@@ -277,6 +337,7 @@ def _run_overlap(rank: int, world_size: int, overlap: bool) -> dict:
 def test_overlapped_buckets_give_bitwise_the_sequential_update_holding_at_most_two_buckets():
     sequential = run_on_ranks(_run_overlap, 2, False)
     overlapped = run_on_ranks(_run_overlap, 2, True)
+    assert_ranks_within_float64_bound(overlapped)
     for seq, over in zip(sequential, overlapped, strict=True):
         assert over["errors"]["param"] <= TOLERANCE
         # Same arithmetic in the same order, only the messages' timing differs: bitwise equal.
@@ -315,6 +376,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     ]
     optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+    truth = _float64_reference(reference_params, **MUON_KWARGS)
 
     def grad_rows(i: int, grad: torch.Tensor):
         local = params[i].to_local()
@@ -329,14 +391,20 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
             stride=params[i].stride(),
         )
 
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
-    errors = []
-    layout = []
-    for p, ref, start in zip(params, reference_params, starts, strict=True):
+    _step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
+    errors, layout, distances = [], [], {}
+    truth_params = truth.param_groups[0]["params"]
+    for i, (p, ref, full64, start) in enumerate(
+        zip(params, reference_params, truth_params, starts, strict=True)
+    ):
         local = p.to_local()
+        rows = slice(start, start + local.shape[0])
         layout.append((start, local.shape[0], str(p.placements)))
-        errors.append(_relative(local, ref.detach()[start : start + local.shape[0]], ref.detach()))
-    return {"errors": errors, "layout": layout}
+        errors.append(_relative(local, ref.detach()[rows], ref.detach()))
+        distances[f"param {i}"] = float64_distances(
+            local, ref.detach()[rows], full64.detach()[rows], norm=full64.detach().norm()
+        )
+    return {"errors": errors, "float64": distances, "layout": layout}
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
@@ -344,6 +412,7 @@ def test_matches_unsharded_muon_on_megatron_fsdp_hsdp_layouts(outer):
     results = run_on_ranks(_run_real_hsdp, 4, outer)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,11 +450,14 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
         )
     optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
     reference = TensorParallelMuon(reference_params, **kwargs)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
+    truth = _float64_reference(reference_params, **kwargs)
+    _step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
     plan = optimizer.owner_plan()
+    truth_params = truth.param_groups[0]["params"]
     return {
         "split_sizes": plan.split_sizes,
         "errors": _row_errors(params, reference_params, splits, rank),
+        "float64": _row_float64(params, reference_params, truth_params, splits, rank),
         "flops": optimizer.step_stats.ns_flops,
     }
 
@@ -396,5 +468,6 @@ def test_split_matrix_ns_plans_are_executed_exactly(case):
     assert any(size > 1 for size in results[0]["split_sizes"]), results[0]["split_sizes"]
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
     flops = [r["flops"] for r in results]
     assert max(flops) <= 1.15 * sum(flops) / len(flops), flops
