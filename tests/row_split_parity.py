@@ -6,6 +6,10 @@ such params, ``TensorParallelMuon`` on the full matrices and the same Muon in fl
 and returns the relative errors of this rank's rows against the fp32 reference
 (``relative_errors``), their distances from float64 (``row_float64_distances``), the step
 statistics and the local params.
+
+For layouts built elsewhere (HSDP meshes, TP x DP, experts): ``sharded_and_full`` makes the params
+of a shard position (``position_rows``), ``step_both`` steps ours, the reference and the float64
+run on the same grads, and ``position_errors`` / ``position_float64_distances`` compare the rows.
 """
 
 from __future__ import annotations
@@ -151,3 +155,89 @@ def splits_for_rows(rows: int, world_size: int) -> list[int]:
     base = [rows // world_size] * world_size
     base[-1] += rows - sum(base)
     return base
+
+
+def relative_error(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -> float:
+    return ((mine - full_rows).norm() / full.norm()).item()
+
+
+def position_rows(split: list[int], position: int) -> slice:
+    """The rows a shard position holds when rows are split ``split`` (in position order)."""
+    start = sum(split[:position])
+    return slice(start, start + split[position])
+
+
+def row_shard(full: torch.Tensor, rows: slice, mesh, placements):
+    """``full``'s rows ``rows`` as this rank's local part of an uneven row-sharded DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        full[rows].clone(),
+        mesh,
+        placements,
+        run_check=False,
+        shape=full.shape,
+        stride=full.stride(),
+    )
+
+
+def sharded_and_full(fulls, splits, position: int, mesh, placements):
+    """Param i as this rank's rows ``position_rows(splits[i], position)`` of a row-sharded
+    DTensor, the full-tensor reference params, and ``grad_rows`` for ``step_both`` (None where no
+    rows)."""
+
+    def dtensor(i: int, full: torch.Tensor):
+        return row_shard(full, position_rows(splits[i], position), mesh, placements)
+
+    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
+    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
+
+    def grad_rows(i: int, grad: torch.Tensor):
+        return None if splits[i][position] == 0 else dtensor(i, grad)
+
+    return params, reference_params, grad_rows
+
+
+def position_errors(params, reference_params, splits, position: int) -> list[float]:
+    """Each param's local rows against the same rows of its reference, relative to the full norm."""
+    return [
+        relative_error(p.to_local(), ref.detach()[position_rows(splits[i], position)], ref.detach())
+        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
+    ]
+
+
+def position_float64_distances(
+    params, reference_params, truth_params, splits, position: int
+) -> dict:
+    """Each param's local rows and its fp32 reference's, from the float64 run's same rows."""
+    return {
+        f"param {i}": float64_distances(
+            p.to_local(), ref.detach()[rows], truth.detach()[rows], norm=truth.detach().norm()
+        )
+        for i, (p, ref, truth) in enumerate(
+            zip(params, reference_params, truth_params, strict=True)
+        )
+        for rows in [position_rows(splits[i], position)]
+    }
+
+
+def float64_reference(reference_params, **kwargs) -> Float64Muon:
+    """Muon in float64 on copies of the full reference params (``step_both`` steps it too)."""
+    return Float64Muon(float64_params(reference_params), **kwargs)
+
+
+def step_both(
+    params, reference_params, optimizer, reference, grad_rows, steps: int, truth: Float64Muon
+) -> None:
+    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None); ``truth``, the
+    float64 run, steps on the same full grads."""
+    truth_params = truth.param_groups[0]["params"]
+    for step in range(steps):
+        for i, ref in enumerate(reference_params):
+            grad = full_tensor(ref.shape, seed=1000 * step + i + 7)
+            ref.grad = grad.clone()
+            truth_params[i].grad = grad.double()
+            params[i].grad = grad_rows(i, grad)
+        optimizer.step()
+        reference.step()
+        truth.step()

@@ -15,98 +15,24 @@ from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import (
     MUON_KWARGS,
     TOLERANCE,
-    Float64Muon,
     assert_ranks_within_float64_bound,
     float64_distances,
-    float64_params,
     full_tensor,
 )
-from tests.row_split_parity import run_constructed_splits, splits_for_rows
+from tests.row_split_parity import (
+    float64_reference,
+    position_errors,
+    position_float64_distances,
+    position_rows,
+    relative_error,
+    row_shard,
+    run_constructed_splits,
+    sharded_and_full,
+    splits_for_rows,
+    step_both,
+)
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
-
-
-def _relative(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -> float:
-    return ((mine - full_rows).norm() / full.norm()).item()
-
-
-def _rows(split: list[int], position: int) -> slice:
-    """The rows a shard position holds when rows are split ``split`` (in position order)."""
-    start = sum(split[:position])
-    return slice(start, start + split[position])
-
-
-def _row_shard(full: torch.Tensor, rows: slice, mesh, placements):
-    """``full``'s rows ``rows`` as this rank's local part of an uneven row-sharded DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        full[rows].clone(),
-        mesh,
-        placements,
-        run_check=False,
-        shape=full.shape,
-        stride=full.stride(),
-    )
-
-
-def _sharded_and_full(fulls, splits, position: int, mesh, placements):
-    """Param i as this rank's rows ``_rows(splits[i], position)`` of a row-sharded DTensor, the
-    full-tensor reference params, and ``grad_rows`` for ``_step_both`` (None where no rows)."""
-
-    def dtensor(i: int, full: torch.Tensor):
-        return _row_shard(full, _rows(splits[i], position), mesh, placements)
-
-    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-
-    def grad_rows(i: int, grad: torch.Tensor):
-        return None if splits[i][position] == 0 else dtensor(i, grad)
-
-    return params, reference_params, grad_rows
-
-
-def _row_errors(params, reference_params, splits, position: int) -> list[float]:
-    """Each param's local rows against the same rows of its reference, relative to the full norm."""
-    return [
-        _relative(p.to_local(), ref.detach()[_rows(splits[i], position)], ref.detach())
-        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
-    ]
-
-
-def _row_float64(params, reference_params, truth_params, splits, position: int) -> dict:
-    """Each param's local rows and its fp32 reference's, from the float64 run's same rows."""
-    return {
-        f"param {i}": float64_distances(
-            p.to_local(), ref.detach()[rows], truth.detach()[rows], norm=truth.detach().norm()
-        )
-        for i, (p, ref, truth) in enumerate(
-            zip(params, reference_params, truth_params, strict=True)
-        )
-        for rows in [_rows(splits[i], position)]
-    }
-
-
-def _float64_reference(reference_params, **kwargs) -> Float64Muon:
-    """Muon in float64 on copies of the full reference params (``_step_both`` steps it too)."""
-    return Float64Muon(float64_params(reference_params), **kwargs)
-
-
-def _step_both(
-    params, reference_params, optimizer, reference, grad_rows, steps: int, truth: Float64Muon
-) -> None:
-    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None); ``truth``, the
-    float64 run, steps on the same full grads."""
-    truth_params = truth.param_groups[0]["params"]
-    for step in range(steps):
-        for i, ref in enumerate(reference_params):
-            grad = full_tensor(ref.shape, seed=1000 * step + i + 7)
-            ref.grad = grad.clone()
-            truth_params[i].grad = grad.double()
-            params[i].grad = grad_rows(i, grad)
-        optimizer.step()
-        reference.step()
-        truth.step()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,18 +53,20 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     splits = [[20, 28], [16, 0], [3, 30]]
     fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(
+    params, reference_params, grad_rows = sharded_and_full(
         fulls, splits, inner, mesh, [Replicate(), Shard(0)]
     )
     optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    truth = _float64_reference(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
-    error = max(_row_errors(params, reference_params, splits, inner))
+    truth = float64_reference(reference_params, **MUON_KWARGS)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
+    error = max(position_errors(params, reference_params, splits, inner))
     truth_params = truth.param_groups[0]["params"]
     return {
         "error": error,
-        "float64": _row_float64(params, reference_params, truth_params, splits, inner),
+        "float64": position_float64_distances(
+            params, reference_params, truth_params, splits, inner
+        ),
         "locals": [p.to_local().detach().clone() for p in params],
     }
 
@@ -189,10 +117,10 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             return full.chunk(2, dim=specs[i][1])[tp_rank]
 
         def dp_rows(i: int) -> slice:
-            return _rows(specs[i][2], dp_rank)
+            return position_rows(specs[i][2], dp_rank)
 
         def dtensor(i: int, full: torch.Tensor) -> DTensor:
-            return _row_shard(tp_local(i, full), dp_rows(i), mesh, [Shard(0)])
+            return row_shard(tp_local(i, full), dp_rows(i), mesh, [Shard(0)])
 
         params = []
         for i, full in enumerate(fulls):
@@ -217,8 +145,8 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             **{**kwargs, "tp_mode": tp_mode},
         )
         reference = TensorParallelMuon(reference_params, **kwargs)
-        truth = _float64_reference(reference_params, **kwargs)
-        _step_both(
+        truth = float64_reference(reference_params, **kwargs)
+        step_both(
             params,
             reference_params,
             optimizer,
@@ -233,7 +161,7 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             zip(params, reference_params, truth_params, strict=True)
         ):
             expected = tp_local(i, ref.detach())[dp_rows(i)]
-            errors.append(_relative(p.to_local(), expected, ref.detach()))
+            errors.append(relative_error(p.to_local(), expected, ref.detach()))
             distances[f"param {i}"] = float64_distances(
                 p.to_local(),
                 expected,
@@ -272,15 +200,15 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     splits = [[2, 0, 3], [1, 3, 0], [9, 9, 6]]
     fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
+    params, reference_params, grad_rows = sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    truth = _float64_reference(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
+    truth = float64_reference(reference_params, **MUON_KWARGS)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
     truth_params = truth.param_groups[0]["params"]
     return {
-        "errors": _row_errors(params, reference_params, splits, rank),
-        "float64": _row_float64(params, reference_params, truth_params, splits, rank),
+        "errors": position_errors(params, reference_params, splits, rank),
+        "float64": position_float64_distances(params, reference_params, truth_params, splits, rank),
     }
 
 
@@ -376,7 +304,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     ]
     optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    truth = _float64_reference(reference_params, **MUON_KWARGS)
+    truth = float64_reference(reference_params, **MUON_KWARGS)
 
     def grad_rows(i: int, grad: torch.Tensor):
         local = params[i].to_local()
@@ -391,7 +319,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
             stride=params[i].stride(),
         )
 
-    _step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
     errors, layout, distances = [], [], {}
     truth_params = truth.param_groups[0]["params"]
     for i, (p, ref, full64, start) in enumerate(
@@ -400,7 +328,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
         local = p.to_local()
         rows = slice(start, start + local.shape[0])
         layout.append((start, local.shape[0], str(p.placements)))
-        errors.append(_relative(local, ref.detach()[rows], ref.detach()))
+        errors.append(relative_error(local, ref.detach()[rows], ref.detach()))
         distances[f"param {i}"] = float64_distances(
             local, ref.detach()[rows], full64.detach()[rows], norm=full64.detach().norm()
         )
@@ -439,7 +367,7 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     splits = [[r // 2, 0, r - r // 2 - r // 4, r // 4] for r, _ in shapes]  # uneven, one empty
     fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
+    params, reference_params, grad_rows = sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     kwargs = dict(MUON_KWARGS)
     if qkv_split is not None:
         params[0].is_qkv = reference_params[0].is_qkv = True
@@ -450,14 +378,14 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
         )
     optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
     reference = TensorParallelMuon(reference_params, **kwargs)
-    truth = _float64_reference(reference_params, **kwargs)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
+    truth = float64_reference(reference_params, **kwargs)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
     plan = optimizer.owner_plan()
     truth_params = truth.param_groups[0]["params"]
     return {
         "split_sizes": plan.split_sizes,
-        "errors": _row_errors(params, reference_params, splits, rank),
-        "float64": _row_float64(params, reference_params, truth_params, splits, rank),
+        "errors": position_errors(params, reference_params, splits, rank),
+        "float64": position_float64_distances(params, reference_params, truth_params, splits, rank),
         "flops": optimizer.step_stats.ns_flops,
     }
 
