@@ -80,18 +80,18 @@ def imported_test_modules(source: str) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize(
-    "source",
-    [
-        "from tests.test_sharded_muon import MUON_KWARGS",
-        "import tests.test_sharded_muon",
-        "from tests import test_sharded_muon",
-        "from .test_sharded_muon import MUON_KWARGS",
-        "from . import test_sharded_muon",
-        "def body():\n    from tests.test_checkpointing import snapshot",
-        "import test_bridge_config",
-    ],
-)
+SPELLINGS = {
+    "from_module": "from tests.test_sharded_muon import MUON_KWARGS",
+    "import_module": "import tests.test_sharded_muon",
+    "from_package": "from tests import test_sharded_muon",
+    "relative_module": "from .test_sharded_muon import MUON_KWARGS",
+    "relative_package": "from . import test_sharded_muon",
+    "inside_a_function": "def body():\n    from tests.test_checkpointing import snapshot",
+    "top_level": "import test_bridge_config",
+}
+
+
+@pytest.mark.parametrize("source", SPELLINGS.values(), ids=SPELLINGS.keys())
 def test_every_spelling_of_a_test_module_import_is_found(source):
     assert imported_test_modules(source), source
 
