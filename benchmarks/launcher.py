@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tests.harness import DeviceT, run_on_ranks
+from megatron_muon.testing import DeviceT, run_on_ranks
 
 __all__ = ["run_ranks"]
 

@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {layer: set(_CORE[:index]) for index, layer in en
     "plan": {"common", "newton_schulz", "sharded"},
     "integrations": {*_CORE, "cpu_stand_ins"},
     "cli": {*_CORE, "cpu_stand_ins", "integrations"},
+    "testing": {"common", "cpu_stand_ins"},
 }
 ENTRY_POINTS = {"__init__", "pretrain", "demo"}
 

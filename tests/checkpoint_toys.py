@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_on_ranks
-from tests.test_sharded_muon import MUON_KWARGS
+from megatron_muon.testing import run_on_ranks
+from tests.muon_reference import MUON_KWARGS
 
 GLOBAL_BATCH = 12  # divisible by every DP size used here
 DIM = 16
@@ -63,7 +63,7 @@ class ToyMoE(torch.nn.Module):
         return torch.einsum("be,bed->bd", weights, outputs)
 
 
-def _build(
+def build(
     world_size: int,
     strategy: str,
     seed: int = 0,
@@ -104,7 +104,7 @@ def _build(
     return wrapped, optimizers, WarmupScheduler(optimizers)
 
 
-def _train(
+def train(
     wrapped, optimizers, scheduler, rank, world_size, steps, first_step, noise, dtype=torch.float32
 ) -> None:
     per_rank = GLOBAL_BATCH // world_size
@@ -127,7 +127,7 @@ def _train(
         scheduler.step()
 
 
-def _local_snapshot(wrapped, optimizers) -> dict:
+def local_snapshot(wrapped, optimizers) -> dict:
     """This rank's params and optimizer state by name (local shards), and the group lrs."""
     from megatron_muon.checkpointing import named_optimizer_params
     from megatron_muon.sharded.layout import local_tensor
@@ -147,7 +147,7 @@ def _local_snapshot(wrapped, optimizers) -> dict:
     }
 
 
-def _full_snapshot(wrapped, optimizers) -> dict:
+def full_snapshot(wrapped, optimizers) -> dict:
     """Params and optimizer state gathered to full tensors (true uneven row layouts)."""
     from megatron_muon.checkpointing import named_optimizer_params
     from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
@@ -179,33 +179,33 @@ def _dtype(strategy: str) -> torch.dtype:
     return torch.bfloat16 if strategy.endswith("_bf16") else torch.float32
 
 
-def _train_save_train(rank, world_size, strategy, path, k, n) -> dict:
+def train_save_train(rank, world_size, strategy, path, k, n) -> dict:
     from megatron_muon.checkpointing import named_optimizer_params, save_checkpoint
     from megatron_muon.sharded.layout import gather_row_layouts
 
-    wrapped, optimizers, scheduler = _build(world_size, strategy)
-    _train(
+    wrapped, optimizers, scheduler = build(world_size, strategy)
+    train(
         wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=True, dtype=_dtype(strategy)
     )
     save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k, extra={"tokens": 7})
-    _train(
+    train(
         wrapped, optimizers, scheduler, rank, world_size, n, k, noise=True, dtype=_dtype(strategy)
     )
     named = named_optimizer_params(wrapped)
     layouts = gather_row_layouts([p for _, p in named], None)
     return {
-        "snapshot": _local_snapshot(wrapped, optimizers),
+        "snapshot": local_snapshot(wrapped, optimizers),
         "layouts": {name: layout.ranges for (name, _), layout in zip(named, layouts, strict=True)},
     }
 
 
-def _load_train(rank, world_size, strategy, path, n) -> dict:
+def load_train(rank, world_size, strategy, path, n) -> dict:
     from megatron_muon.checkpointing import load_checkpoint
 
     # A different init seed: everything that matters must come from the checkpoint.
-    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123)
+    wrapped, optimizers, scheduler = build(world_size, strategy, seed=123)
     loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
-    _train(
+    train(
         wrapped,
         optimizers,
         scheduler,
@@ -217,14 +217,14 @@ def _load_train(rank, world_size, strategy, path, n) -> dict:
         dtype=_dtype(strategy),
     )
     return {
-        "snapshot": _local_snapshot(wrapped, optimizers),
+        "snapshot": local_snapshot(wrapped, optimizers),
         "iteration": loaded.iteration,
         "extra": loaded.extra,
         "rng_restored": loaded.rng_restored,
     }
 
 
-def _assert_bitwise_equal(expected: dict, actual: dict, where: str) -> None:
+def assert_bitwise_equal(expected: dict, actual: dict, where: str) -> None:
     assert expected["lrs"] == actual["lrs"], where
     for name, tensor in expected["params"].items():
         assert torch.equal(tensor, actual["params"][name]), f"{where}: param {name}"
@@ -240,12 +240,12 @@ def _try_loads(rank, world_size, paths, hidden=48, save_all_adam_to=None) -> lis
     from megatron_muon.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 
     if save_all_adam_to is not None:
-        wrapped, optimizers, scheduler = _build(world_size, "optim", all_adam=True)
-        _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+        wrapped, optimizers, scheduler = build(world_size, "optim", all_adam=True)
+        train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
         save_checkpoint(save_all_adam_to, wrapped, optimizers, scheduler, iteration=1)
-    wrapped, optimizers, scheduler = _build(world_size, "optim", seed=5, hidden=hidden)
-    _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
-    before = _local_snapshot(wrapped, optimizers)
+    wrapped, optimizers, scheduler = build(world_size, "optim", seed=5, hidden=hidden)
+    train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+    before = local_snapshot(wrapped, optimizers)
     results = []
     for path in paths:
         try:
@@ -255,14 +255,14 @@ def _try_loads(rank, world_size, paths, hidden=48, save_all_adam_to=None) -> lis
         except CheckpointError as error:
             result = {"type": type(error).__name__, "message": str(error), "unchanged": True}
         try:
-            _assert_bitwise_equal(before, _local_snapshot(wrapped, optimizers), "after a failure")
+            assert_bitwise_equal(before, local_snapshot(wrapped, optimizers), "after a failure")
         except AssertionError:
             result["unchanged"] = False
         results.append(result)
     return results
 
 
-def _assert_loads_fail(cases: list[tuple[str, str, tuple[str, ...]]], **kwargs) -> None:
+def assert_loads_fail(cases: list[tuple[str, str, tuple[str, ...]]], **kwargs) -> None:
     """``cases``: (path, error class name, phrases its message must hold); one launch for all."""
     per_rank = run_on_ranks(_try_loads, 2, [path for path, _, _ in cases], **kwargs)
     for rank, results in enumerate(per_rank):

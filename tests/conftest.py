@@ -7,15 +7,18 @@ Tests marked ``@pytest.mark.gpu`` need a CUDA device: without one they are skipp
 
 Tests that launch several processes carry ``@pytest.mark.multirank`` (registered in pyproject.toml);
 ``-m "not multirank"`` selects the single-process tests. A launch from an unmarked test fails
-(``tests.harness.require_multirank_marker``), so the selection stays exact.
+(``tests.multirank.require_multirank_marker``, installed as the launcher's check), so the selection
+stays exact.
 """
 
 import pytest
 import torch
 
-from tests import harness
+from megatron_muon.testing import set_launch_check
+from tests import multirank
 
 torch.set_num_threads(1)
+set_launch_check(multirank.require_multirank_marker)
 
 
 GPU_SKIP_REASON = (
@@ -37,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # Before the test's fixtures: a module-scoped fixture that launches ranks runs in the set-up
     # of the first test that uses it.
-    harness.set_test_is_multirank(item.get_closest_marker("multirank") is not None)
+    multirank.set_test_is_multirank(item.get_closest_marker("multirank") is not None)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Rank bodies of the GPU tests (``tests/test_gpu.py``): one NCCL rank on ``cuda:0``, no stand-in.
 
-Each function runs inside ``tests.harness.run_on_ranks(..., device="cuda")`` and returns plain
-numbers for the test to assert on, so that a failure message shows what was measured.
+Each function runs inside ``megatron_muon.testing.run_on_ranks(..., device="cuda")`` and returns
+plain numbers for the test to assert on, so that a failure message shows what was measured.
 """
 
 from __future__ import annotations

@@ -28,15 +28,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import (
-    _assert_bitwise_equal,
-    _assert_loads_fail,
-    _build,
-    _load_train,
-    _train,
-    _train_save_train,
+    assert_bitwise_equal,
+    assert_loads_fail,
+    build,
+    load_train,
+    train,
+    train_save_train,
 )
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -60,8 +60,8 @@ def _save_refusals(rank: int, world_size: int, root: str) -> dict:
     from megatron_muon.checkpointing import files as checkpoint_files
     from megatron_muon.checkpointing import save_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, "optim")
-    _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+    wrapped, optimizers, scheduler = build(world_size, "optim")
+    train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
     different = torch.nn.Linear(4, 4) if rank == 0 else torch.nn.Sequential(torch.nn.Linear(4, 4))
     cases = {
         "different_paths": lambda: save_checkpoint(
@@ -153,7 +153,7 @@ def _edit_marker(directory: str, edit) -> None:
 
 def test_a_load_verifies_every_referenced_file_before_touching_state(tmp_path):
     saved = str(tmp_path / "saved")
-    run_on_ranks(_train_save_train, 2, "optim", saved, 1, 0)
+    run_on_ranks(train_save_train, 2, "optim", saved, 1, 0)
     copies = {}
     for case in ("unlisted", "bit_rot", "no_file_list", "overwrite"):
         copies[case] = str(tmp_path / case)
@@ -166,7 +166,7 @@ def test_a_load_verifies_every_referenced_file_before_touching_state(tmp_path):
     # An overwrite killed between its renames: the old one set aside, the new one complete.
     os.rename(copies["overwrite"], copies["overwrite"] + ".replaced")
     shutil.copytree(saved, copies["overwrite"] + ".incomplete")
-    _assert_loads_fail(
+    assert_loads_fail(
         [
             (
                 copies["unlisted"],
@@ -205,13 +205,13 @@ def _as_format_version_1(directory: str) -> None:
 def _load_and_train_capturing_stdout(rank: int, world_size: int, path: str, n: int) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        result = _load_train(rank, world_size, "optim", path, n)
+        result = load_train(rank, world_size, "optim", path, n)
     return {**result, "printed": printed.getvalue()}
 
 
 def test_a_format_version_1_checkpoint_loads_with_sizes_checked_and_hashes_not(tmp_path):
     saved = str(tmp_path / "saved")
-    uninterrupted = run_on_ranks(_train_save_train, 2, "optim", saved, 1, 1)
+    uninterrupted = run_on_ranks(train_save_train, 2, "optim", saved, 1, 1)
     copies = {}
     for case in ("v1", "v1_missing", "v1_unlisted", "v3"):
         copies[case] = str(tmp_path / case)
@@ -230,10 +230,10 @@ def test_a_format_version_1_checkpoint_loads_with_sizes_checked_and_hashes_not(t
     assert note not in resumed[1]["printed"], resumed[1]["printed"]
     for rank in range(2):
         assert resumed[rank]["iteration"] == 1
-        _assert_bitwise_equal(
+        assert_bitwise_equal(
             uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
         )
-    _assert_loads_fail(
+    assert_loads_fail(
         [
             (
                 copies["v1_missing"],

@@ -24,19 +24,18 @@ import os
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import (
     DIM,
-    _assert_bitwise_equal,
-    _assert_loads_fail,
-    _build,
-    _full_snapshot,
-    _load_train,
-    _local_snapshot,  # noqa: F401 - tests.test_step_wrapper imports it from here
-    _train,
-    _train_save_train,
+    assert_bitwise_equal,
+    assert_loads_fail,
+    build,
+    full_snapshot,
+    load_train,
+    train,
+    train_save_train,
 )
-from tests.harness import run_on_ranks
-from tests.test_sharded_muon import MUON_KWARGS
+from tests.muon_reference import MUON_KWARGS
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -64,13 +63,13 @@ def test_resume_in_fresh_processes_is_bitwise_equal_to_the_uninterrupted_run(
 ):
     path = str(tmp_path / "ckpt")
     k, n = 2, 2
-    uninterrupted = run_on_ranks(_train_save_train, world_size, strategy, path, k, n)
-    resumed = run_on_ranks(_load_train, world_size, strategy, path, n)
+    uninterrupted = run_on_ranks(train_save_train, world_size, strategy, path, k, n)
+    resumed = run_on_ranks(load_train, world_size, strategy, path, n)
     for rank in range(world_size):
         assert resumed[rank]["iteration"] == k
         assert resumed[rank]["extra"] == {"tokens": 7}
         assert resumed[rank]["rng_restored"]
-        _assert_bitwise_equal(
+        assert_bitwise_equal(
             uninterrupted[rank]["snapshot"], resumed[rank]["snapshot"], f"rank {rank}"
         )
     if not strategy.startswith("no_shard"):
@@ -121,24 +120,24 @@ def _save_and_snapshot(rank, world_size, strategy, path, k, moe=False) -> dict:
     """Trains k steps and saves; returns the full state at the save and after one more step."""
     from megatron_muon.checkpointing import save_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, strategy, moe=moe)
-    _train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=False)
+    wrapped, optimizers, scheduler = build(world_size, strategy, moe=moe)
+    train(wrapped, optimizers, scheduler, rank, world_size, k, 0, noise=False)
     save_checkpoint(path, wrapped, optimizers, scheduler, iteration=k)
-    saved = _full_snapshot(wrapped, optimizers)
-    _train(wrapped, optimizers, scheduler, rank, world_size, 1, k, noise=False)
-    return {"saved": saved, "next": _full_snapshot(wrapped, optimizers)}
+    saved = full_snapshot(wrapped, optimizers)
+    train(wrapped, optimizers, scheduler, rank, world_size, 1, k, noise=False)
+    return {"saved": saved, "next": full_snapshot(wrapped, optimizers)}
 
 
 def _load_and_snapshot(rank, world_size, strategy, path, moe=False) -> dict:
     from megatron_muon.checkpointing import load_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, strategy, seed=123, moe=moe)
+    wrapped, optimizers, scheduler = build(world_size, strategy, seed=123, moe=moe)
     loaded = load_checkpoint(path, wrapped, optimizers, scheduler)
-    after_load = _full_snapshot(wrapped, optimizers)
-    _train(wrapped, optimizers, scheduler, rank, world_size, 1, loaded.iteration, noise=False)
+    after_load = full_snapshot(wrapped, optimizers)
+    train(wrapped, optimizers, scheduler, rank, world_size, 1, loaded.iteration, noise=False)
     return {
         "loaded": after_load,
-        "next": _full_snapshot(wrapped, optimizers),
+        "next": full_snapshot(wrapped, optimizers),
         "rng_restored": loaded.rng_restored,
     }
 
@@ -257,7 +256,7 @@ def _constructed(rank, world_size, path, save) -> dict:
         save_checkpoint(path, module, optimizer, iteration=1)
     else:
         load_checkpoint(path, module, optimizer)
-    return _full_snapshot(module, [optimizer])
+    return full_snapshot(module, [optimizer])
 
 
 def test_plain_uneven_dtensors_without_fsdp_slices_reshard_through_gathered_chunks(tmp_path):
@@ -292,7 +291,7 @@ def test_missing_or_incomplete_checkpoints_are_refused_naming_what_is_wrong(
     truncated = os.path.join(copies["truncated"], "__0_0.distcp")
     os.truncate(truncated, os.path.getsize(truncated) // 2)
     missing = str(tmp_path / "never_saved")
-    _assert_loads_fail(
+    assert_loads_fail(
         [
             (missing, "CheckpointNotFoundError", (missing, "does not exist")),
             (copies["no_marker"], "IncompleteCheckpointError", ("no completion marker",)),
@@ -311,7 +310,7 @@ def test_a_different_model_shape_is_named(dp2_checkpoint):
         "param fc1.weight: shape (48, 16) in the checkpoint, (40, 16) in this model",
         "param fc2.weight: shape (16, 48) in the checkpoint, (16, 40) in this model",
     )
-    _assert_loads_fail([(dp2_checkpoint[0], "CheckpointMismatchError", phrases)], hidden=40)
+    assert_loads_fail([(dp2_checkpoint[0], "CheckpointMismatchError", phrases)], hidden=40)
 
 
 def test_adam_state_into_muon_is_named(tmp_path):
@@ -320,7 +319,7 @@ def test_adam_state_into_muon_is_named(tmp_path):
         "param fc1.weight: the checkpoint holds AdamW state ['step', 'exp_avg', 'exp_avg_sq'], "
         "this run's optimizer for it is ShardedMuon with state ['momentum_buffer']"
     )
-    _assert_loads_fail([(path, "CheckpointMismatchError", (phrase,))], save_all_adam_to=path)
+    assert_loads_fail([(path, "CheckpointMismatchError", (phrase,))], save_all_adam_to=path)
 
 
 def _interrupted_save(rank, world_size, path) -> dict:
@@ -328,8 +327,8 @@ def _interrupted_save(rank, world_size, path) -> dict:
     from megatron_muon import checkpointing
     from megatron_muon.checkpointing import files as checkpoint_files
 
-    wrapped, optimizers, scheduler = _build(world_size, "optim")
-    _train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
+    wrapped, optimizers, scheduler = build(world_size, "optim")
+    train(wrapped, optimizers, scheduler, rank, world_size, 1, 0, noise=False)
 
     def crash(*args, **kwargs):
         raise OSError("simulated crash before the completion marker")
@@ -349,7 +348,7 @@ def test_an_interrupted_save_never_loads_as_valid(tmp_path):
     results = run_on_ranks(_interrupted_save, 2, path)
     assert all("simulated crash" in r["save_error"] for r in results), results
     assert not os.path.exists(path) and os.path.isdir(path + INCOMPLETE_SUFFIX)
-    _assert_loads_fail(
+    assert_loads_fail(
         [
             (path, "CheckpointNotFoundError", ("a save that did not finish",)),
             (path + INCOMPLETE_SUFFIX, "IncompleteCheckpointError", ("no completion marker",)),
@@ -360,7 +359,7 @@ def test_an_interrupted_save_never_loads_as_valid(tmp_path):
 def _save_twice(rank, world_size, path) -> dict:
     from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
 
-    wrapped, optimizers, scheduler = _build(world_size, "optim")
+    wrapped, optimizers, scheduler = build(world_size, "optim")
     save_checkpoint(path, wrapped, optimizers, scheduler, iteration=1)
     try:
         save_checkpoint(path, wrapped, optimizers, scheduler, iteration=2)

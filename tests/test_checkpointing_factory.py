@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
-from tests.checkpoint_toys import _assert_bitwise_equal, _local_snapshot
-from tests.harness import run_on_ranks
+from tests.checkpoint_toys import assert_bitwise_equal, local_snapshot
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -59,7 +59,7 @@ def _gpt(rank, world_size, strategy, moe, path, save, k, n) -> dict:
     else:
         first = load_checkpoint(path, [wrapped], optimizer, scheduler).iteration
     train(n, first)
-    return _local_snapshot(wrapped, leaf_optimizers(optimizer))
+    return local_snapshot(wrapped, leaf_optimizers(optimizer))
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_factory_optimizer_on_gpt_resumes_bitwise(strategy, moe, tmp_path):
                 assert set(expected["state"][name]) == {"momentum_buffer"}, name
         else:
             assert not experts
-        _assert_bitwise_equal(expected, resumed[rank], f"rank {rank}")
+        assert_bitwise_equal(expected, resumed[rank], f"rank {rank}")
     for name in experts:  # trained: every expert's momentum is non-zero on some rank
         total = sum(r["state"][name]["momentum_buffer"].abs().sum() for r in uninterrupted)
         assert total > 0, name
@@ -93,7 +93,7 @@ def _gpt_full_state(rank, world_size, strategy, path, save) -> dict:
     and optimizer state gathered to full tensors."""
     from megatron_muon import build_muon_optimizer
     from megatron_muon.checkpointing import leaf_optimizers, load_checkpoint, save_checkpoint
-    from tests.checkpoint_toys import _full_snapshot
+    from tests.checkpoint_toys import full_snapshot
 
     gpt_parity.init_megatron()
     model = gpt_parity.build_gpt(moe=True)
@@ -109,7 +109,7 @@ def _gpt_full_state(rank, world_size, strategy, path, save) -> dict:
         save_checkpoint(path, [wrapped], optimizer, iteration=2)
     else:
         load_checkpoint(path, [wrapped], optimizer)
-    return _full_snapshot(wrapped, leaf_optimizers(optimizer))
+    return full_snapshot(wrapped, leaf_optimizers(optimizer))
 
 
 def test_factory_moe_checkpoint_saved_at_dp2_loads_at_dp1_with_state_on_the_right_rows(tmp_path):

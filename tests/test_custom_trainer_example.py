@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import run_on_ranks
 
 # Params: within gpt_parity.FLOOR_FACTOR of the reduction-order floor measured in the same launch
 # (the MoE router's own floor is the largest: Newton-Schulz amplifies its small singular values).

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import NUM_STEPS, _build, _step
-from tests.harness import run_on_ranks
 
 # Among each tiny GPT's per-head max logits over the first 3 steps without clipping (GQA
 # 0.07-0.21: some heads are clipped at every step, others not; MLA 0.024-0.038, 0.080-0.100,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpu_runs
-from tests.harness import run_on_ranks
 from tests.torchrun import parse_iteration_lines
 
 pytestmark = [pytest.mark.gpu]

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import NUM_STEPS, _assemble, _build, _rows, _step
-from tests.harness import run_on_ranks
 
 GRAM_TOLERANCE = 1e-6  # fp32 "highest": absolute slack on Gram NS's DP=2 vs DP=1 deviation
 

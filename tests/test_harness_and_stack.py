@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_muon.testing import RankFailure, RankTimeout, run_on_ranks
 from tests.fsdp_models import ToyMLP, fully_shard_toy
-from tests.harness import RankFailure, RankTimeout, run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 

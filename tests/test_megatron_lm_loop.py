@@ -23,33 +23,13 @@ from typing import Any
 import pytest
 import torch
 
+from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
 from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SAVE_AT = 3
-RELATIVE_TOLERANCE = 1e-5  # the log prints 7 significant digits
-
-
-def assert_loss_falls(losses: list[float], num_iters: int = 5) -> None:
-    """The loss over the first ``num_iters`` iterations falls by at least 5%.
-
-    A run whose compute weights never change (stock megatron-core's Muon under no_shard, which
-    steps the main weights but never installs them into the compute weights) prints the same loss
-    at every iteration and fails here.
-    """
-    first, last = losses[0], losses[num_iters - 1]
-    assert last < 0.95 * first, f"loss did not fall over {num_iters} iterations: {losses}"
-
-
-def assert_same_losses(run: list[float], reference: list[float]) -> None:
-    """Per-iteration losses equal to ``RELATIVE_TOLERANCE``."""
-    assert len(run) == len(reference), (run, reference)
-    for iteration, (value, expected) in enumerate(zip(run, reference, strict=True), start=1):
-        assert abs(value - expected) <= RELATIVE_TOLERANCE * abs(expected), (
-            f"iteration {iteration}: {value} vs {expected}\nrun: {run}\nreference: {reference}"
-        )
 
 
 def _strategy(name: str) -> list[str]:

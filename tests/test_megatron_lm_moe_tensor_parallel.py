@@ -57,9 +57,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls
-from tests.test_megatron_lm_parallelism import MLA_FLAGS, MOE_FLAGS, printed_lines
-from tests.torchrun import MegatronRun, run_megatron
+from tests.megatron_lm_logs import RELATIVE_TOLERANCE, assert_loss_falls, printed_lines
+from tests.torchrun import MLA_FLAGS, MOE_FLAGS, MegatronRun, run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 

@@ -41,9 +41,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
-from tests.test_megatron_lm_loop import RELATIVE_TOLERANCE, assert_loss_falls, assert_same_losses
-from tests.torchrun import MUON_FLAGS, MegatronRun, run_megatron
+from megatron_muon.testing import run_on_ranks
+from tests.megatron_lm_logs import (
+    RELATIVE_TOLERANCE,
+    assert_loss_falls,
+    assert_same_losses,
+    printed_lines,
+)
+from tests.torchrun import EP_ITERS, MLA_FLAGS, MOE_FLAGS, MUON_FLAGS, MegatronRun, run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
@@ -51,33 +56,7 @@ HSDP_FLAGS = [
     *("--data-parallel-sharding-strategy", "optim"),
     *("--num-distributed-optimizer-instances", "2"),
 ]
-EP_ITERS = 5
 EP_SAVE_AT = 2
-# 4 experts, no linear biases (megatron-core 0.19.2's SequentialMLP adds its bias in place on a
-# view that autograd refuses at EP=1), the all-to-all dispatcher (the uneven all-to-all path),
-# QK-clip low enough that heads are clipped in the later iterations.
-MOE_FLAGS = [
-    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
-    *("--num-experts 4 --disable-bias-linear --moe-token-dispatcher-type alltoall").split(),
-    *("--data-parallel-sharding-strategy optim_grads_params").split(),
-    *("--qk-clip --qk-clip-threshold 0.5").split(),
-    *("--train-iters", str(EP_ITERS)),
-]
-
-
-# Multi-latent attention with q-LoRA (DeepSeek-V3's attention) in place of the GPT's attention,
-# after MOE_FLAGS. Its max logits are smaller (0.03 at iteration 1 on one rank, up to 0.10 later
-# unclipped): at 0.04 iteration 1 clips nothing, later ones some or all of the 8 heads.
-MLA_FLAGS = [
-    *("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16").split(),
-    *("--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope").split(),
-    *("--qk-clip-threshold", "0.04"),
-]
-
-
-def printed_lines(run: MegatronRun, rank: int, prefix: str) -> list[str]:
-    """The lines of ``rank``'s output that start with ``prefix`` (what the loop printed)."""
-    return [line for line in run.rank_outputs[rank].splitlines() if line.startswith(prefix)]
 
 
 def assert_close(value: float, expected: float, what: str) -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import run_on_ranks
 
 NUM_STEPS = 3
 RUNS = [Run("mcore", "optim_grads_params"), Run("mcore", "optim_grads", num_microbatches=2)]

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_muon.fsdp.qk_clip_rows import mla_kv_up_row_scales, mla_query_row_scales
+from megatron_muon.testing import run_on_ranks
 from tests.fsdp_models import fully_shard_attention
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import NUM_STEPS, _build, _rows, _step
-from tests.harness import run_on_ranks
 
 
 def _offload_and_resume(rank: int, world_size: int, path: str) -> dict:

@@ -1,14 +1,15 @@
 """Newton-Schulz methods: Gram NS against the standard iteration, coefficient schedules, FLOPs.
 
-Accuracy is measured against a float64 evaluation of the same NS polynomial (``_reference``), so a
-tolerance can be stated relative to what fp32 (or bf16) standard NS itself achieves. Deviations are
-the max over singular values of |sv(result) - sv(reference)| (the quantity Muon's update depends on)
-and are printed (``pytest -s``) for the report.
+Accuracy is measured against a float64 evaluation of the same NS polynomial
+(``tests.newton_schulz_reference.float64_polynomial``), so a tolerance can be stated relative to
+what fp32 (or bf16) standard NS itself achieves. Deviations are the max over singular values of
+|sv(result) - sv(reference)| (the quantity Muon's update depends on) and are printed
+(``pytest -s``) for the report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,27 +19,21 @@ from torch.utils.flop_counter import FlopCounterMode
 from megatron_muon.newton_schulz.gram import default_gram_restarts, gram_newton_schulz
 from megatron_muon.newton_schulz.methods import (
     NSConfig,
-    coefficient_schedule,
     ns_flops,
     orthogonalize,
     orthogonalize_batch,
     scaled_orthogonalize,
     uses_gram,
 )
+from tests.newton_schulz_reference import (
+    CUSTOM,
+    SCHEDULES,
+    float64_polynomial,
+    schedule_of,
+    spread_matrix,
+    sv_deviation,
+)
 
-# (coefficient_type, steps): every emerging-optimizers set at its natural length, plus schedules
-# longer than their list (repeat_last for polar_express, cycle for quintic).
-SCHEDULES = [
-    ("simple", 5),
-    ("quintic", 5),
-    ("quintic", 7),
-    ("polar_express", 5),
-    ("polar_express", 8),
-    ("cans", 5),
-    ("aol", 4),
-    ("deepseekv4", 10),
-]
-CUSTOM = ((3.0, -3.2, 1.2), (2.0, -1.5, 0.5))
 SHAPES = [(48, 192), (192, 48), (40, 320), (3, 32, 160), (3, 160, 32)]
 
 
@@ -49,51 +44,6 @@ def _highest_precision() -> Iterator[None]:
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(previous)
-
-
-def _spread_matrix(shape: Sequence[int], low_exponent: float, seed: int) -> torch.Tensor:
-    """fp32 matrices with singular values log-spaced over [10^low_exponent, 1], random vectors.
-
-    Momentum matrices are far from Gaussian: a few large directions and a long tail of tiny ones;
-    the tail is where Gram NS is weakest (R = X X^T squares it below rounding).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    *batch, rows, cols = shape
-    k = min(rows, cols)
-    out = []
-    for _ in range(batch[0] if batch else 1):
-        u, _ = torch.linalg.qr(torch.randn(rows, k, generator=generator, dtype=torch.float64))
-        v, _ = torch.linalg.qr(torch.randn(cols, k, generator=generator, dtype=torch.float64))
-        s = torch.logspace(0, low_exponent, k, dtype=torch.float64)
-        out.append((u * s[torch.randperm(k, generator=generator)]) @ v.T)
-    stacked = torch.stack(out).float()
-    return stacked if batch else stacked[0]
-
-
-def _reference(x: torch.Tensor, schedule: Sequence[tuple[float, float, float]]) -> torch.Tensor:
-    """The NS polynomial in float64, straight from its definition (no Gram rewriting)."""
-    y = x.double()
-    transpose = y.size(-2) > y.size(-1)
-    if transpose:
-        y = y.mT
-    y = y / y.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-7)
-    for a, b, c in schedule:
-        gram = y @ y.mT
-        y = a * y + (b * gram + c * gram @ gram) @ y
-    return y.mT if transpose else y
-
-
-def _sv_deviation(result: torch.Tensor, reference: torch.Tensor) -> float:
-    """max |sv(result) - sv(reference)| over all singular values (and batch entries)."""
-    if not torch.isfinite(result).all():
-        return float("inf")
-    sv = torch.linalg.svdvals(result.double())
-    return (sv - torch.linalg.svdvals(reference.double())).abs().max().item()
-
-
-def _schedule(coefficient_type: str, steps: int) -> list[tuple[float, float, float]]:
-    custom = CUSTOM if coefficient_type == "custom" else None
-    return coefficient_schedule(steps, coefficient_type, custom)
 
 
 @pytest.mark.parametrize("steps", [3, 5, 12])
@@ -107,7 +57,7 @@ def test_schedule_reproduces_emerging_newton_schulz(coefficient_type: str, steps
     custom = [tuple(t) for t in CUSTOM] if coefficient_type == "custom" else None
     expected = newton_schulz(x, steps, coefficient_type, custom_coefficient_sets=custom)
     replayed = newton_schulz(
-        x, steps, "custom", custom_coefficient_sets=_schedule(coefficient_type, steps)
+        x, steps, "custom", custom_coefficient_sets=schedule_of(coefficient_type, steps)
     )
     torch.testing.assert_close(replayed, expected, atol=0, rtol=0)
 
@@ -126,7 +76,7 @@ def test_gram_matches_standard_fp32(
     singular values ~1e-4 of the normalized input carry rounding of ~1e-7 * 1e3 in the output.
     Inputs: a Gaussian matrix and one with singular values spread over [1e-6, 1].
     """
-    schedule = _schedule(coefficient_type, steps)
+    schedule = schedule_of(coefficient_type, steps)
     config = NSConfig(
         num_ns_steps=steps,
         coefficient_type=coefficient_type,
@@ -135,13 +85,13 @@ def test_gram_matches_standard_fp32(
     )
     assert uses_gram(shape[-2], shape[-1], config)
     gaussian = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-    for x in (gaussian, _spread_matrix(shape, -6.0, seed=2)):
-        reference = _reference(x, schedule)
+    for x in (gaussian, spread_matrix(shape, -6.0, seed=2)):
+        reference = float64_polynomial(x, schedule)
         standard = newton_schulz(x, steps, "custom", custom_coefficient_sets=schedule)
         gram = orthogonalize(x, config)
-        standard_dev = _sv_deviation(standard, reference)
-        gram_dev = _sv_deviation(gram, reference)
-        between = _sv_deviation(gram, standard)
+        standard_dev = sv_deviation(standard, reference)
+        gram_dev = sv_deviation(gram, reference)
+        between = sv_deviation(gram, standard)
         print(
             f"\n[gram fp32] {coefficient_type}/{steps} {shape}: max sv deviation gram-vs-standard "
             f"{between:.2e} (gram-vs-f64 {gram_dev:.2e}, standard-vs-f64 {standard_dev:.2e})"
@@ -222,9 +172,9 @@ def test_half_precision_gram_with_restarts_is_as_accurate_as_bf16_standard(
     must stay within 1.25x that plus 1e-2 (measured: fp16 Gram with a restart per 3 steps is 5-10x
     better than bf16 standard, bf16 Gram with a restart every 2 steps about equal).
     """
-    x = _spread_matrix((2, 64, 320), low_exponent, seed=7)
-    schedule = _schedule(coefficient_type, steps)
-    reference = _reference(x, schedule)
+    x = spread_matrix((2, 64, 320), low_exponent, seed=7)
+    schedule = schedule_of(coefficient_type, steps)
+    reference = float64_polynomial(x, schedule)
     configs = {
         half: NSConfig(
             num_ns_steps=steps,
@@ -235,9 +185,9 @@ def test_half_precision_gram_with_restarts_is_as_accurate_as_bf16_standard(
         for half in ("float16", "bfloat16")
     }
     torch.set_float32_matmul_precision("medium")
-    bf16_standard = _sv_deviation(newton_schulz(x, steps, coefficient_type), reference)
-    fp16_gram = _sv_deviation(orthogonalize(x, configs["float16"]), reference)
-    bf16_gram = _sv_deviation(orthogonalize(x, configs["bfloat16"]), reference)
+    bf16_standard = sv_deviation(newton_schulz(x, steps, coefficient_type), reference)
+    fp16_gram = sv_deviation(orthogonalize(x, configs["float16"]), reference)
+    bf16_gram = sv_deviation(orthogonalize(x, configs["bfloat16"]), reference)
     print(
         f"\n[half] {coefficient_type}/{steps} sv in [1e{low_exponent:.0f}, 1]: max sv deviation "
         f"vs f64: bf16 standard {bf16_standard:.2e}, fp16 gram (restarts "
@@ -251,7 +201,7 @@ def test_half_precision_gram_with_restarts_is_as_accurate_as_bf16_standard(
 def test_medium_precision_selects_the_gram_half_dtype() -> None:
     """ "medium" runs Gram NS in gram_half_dtype (bitwise the explicit call); "highest" in fp32."""
     x = torch.randn(32, 160, generator=torch.Generator().manual_seed(10))
-    schedule = _schedule("quintic", 5)
+    schedule = schedule_of("quintic", 5)
     for half, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
         config = NSConfig(ns_method="gram", gram_half_dtype=half)
         explicit = gram_newton_schulz(x, schedule, config.restarts(), compute_dtype=dtype)
@@ -267,13 +217,13 @@ def test_bf16_gram_without_enough_restarts_diverges() -> None:
     applied to R without ever looking at X again, blows them up (a^2 growth per step). In bf16,
     no restart (5 steps) and fp16's schedule (8 steps: after 2 and 5) both diverge; a restart
     every 2 steps does not."""
-    x = _spread_matrix((64, 320), -6.0, seed=8)
+    x = spread_matrix((64, 320), -6.0, seed=8)
     for steps, too_few in ((5, ()), (8, default_gram_restarts(8, "float16"))):
-        schedule = _schedule("polar_express", steps)
-        reference = _reference(x, schedule)
+        schedule = schedule_of("polar_express", steps)
+        reference = float64_polynomial(x, schedule)
         enough = default_gram_restarts(steps, "bfloat16")
         deviations = [
-            _sv_deviation(
+            sv_deviation(
                 gram_newton_schulz(x, schedule, restarts, compute_dtype=torch.bfloat16), reference
             )
             for restarts in (too_few, enough)
@@ -288,12 +238,12 @@ def test_bf16_gram_without_enough_restarts_diverges() -> None:
 def test_fp32_gram_needs_restarts_on_long_schedules() -> None:
     """10 DeepSeek-V4 steps (a = 3.44 eight times) amplify fp32 rounding in R past recovery
     without restarts; the default restarts (2, 5, 8) keep Gram NS at standard NS's accuracy."""
-    x = _spread_matrix((128, 512), -6.0, seed=9)
-    schedule = _schedule("deepseekv4", 10)
-    reference = _reference(x, schedule)
-    standard = _sv_deviation(newton_schulz(x, 10, "deepseekv4"), reference)
-    no_restart = _sv_deviation(gram_newton_schulz(x, schedule, ()), reference)
-    default = _sv_deviation(gram_newton_schulz(x, schedule, default_gram_restarts(10)), reference)
+    x = spread_matrix((128, 512), -6.0, seed=9)
+    schedule = schedule_of("deepseekv4", 10)
+    reference = float64_polynomial(x, schedule)
+    standard = sv_deviation(newton_schulz(x, 10, "deepseekv4"), reference)
+    no_restart = sv_deviation(gram_newton_schulz(x, schedule, ()), reference)
+    default = sv_deviation(gram_newton_schulz(x, schedule, default_gram_restarts(10)), reference)
     print(
         f"\n[fp32] deepseekv4/10: no restart {no_restart:.2e}, default {default:.2e}, "
         f"standard {standard:.2e}"
@@ -318,7 +268,7 @@ def test_ns_flops_counts_the_matmuls_performed(
         with FlopCounterMode(display=False) as counter:
             orthogonalize(x, config)
         assert counter.get_total_flops() == batch * config.flops(rows, cols), (method, restarts)
-    schedule = _schedule("quintic", 5)
+    schedule = schedule_of("quintic", 5)
     with FlopCounterMode(display=False) as counter:
         gram_newton_schulz(x, schedule, restarts or ())
     k, long = min(rows, cols), max(rows, cols)

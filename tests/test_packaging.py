@@ -85,7 +85,7 @@ def test_install_checks_the_megatron_core_range_that_pyproject_declares():
 
 
 def test_a_test_without_the_multirank_marker_cannot_launch_ranks():
-    from tests.harness import run_on_ranks
+    from megatron_muon.testing import run_on_ranks
 
     with pytest.raises(RuntimeError, match="not marked @pytest.mark.multirank"):
         run_on_ranks(print, 2)

@@ -36,7 +36,7 @@ from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
 from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.sharded.step_plan import bucket_by_bytes, bucket_by_owner_rounds
-from tests.harness import RankFailure, run_on_ranks
+from megatron_muon.testing import RankFailure, run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 # Tall, wide, square, odd, and small enough that some ranks hold empty blocks.

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 from tests.torchrun import (
     REPO,
     MegatronRun,

@@ -15,8 +15,8 @@ import torch
 
 from megatron_muon.fsdp.qk_clip import head_clip_factors
 from megatron_muon.fsdp.qk_clip_rows import qkv_row_scales
+from megatron_muon.testing import run_on_ranks
 from tests.fsdp_models import fully_shard_attention
-from tests.harness import run_on_ranks
 
 HIDDEN, HEADS, HEAD_DIM, SEQ, BATCH = 32, 4, 8, 6, 4
 TAU = 0.6  # the GQA layer's max logits on _inputs() are 0.43..0.68: three heads clip, one not

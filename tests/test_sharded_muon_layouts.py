@@ -1,7 +1,9 @@
 """ShardedMuon on HSDP meshes, with tensor parallelism, on 3-D expert tensors, and in buckets.
 
 Each case compares against megatron-core's unsharded ``TensorParallelMuon`` on the full (TP-full,
-DP-full) matrices in one process, fp32 with highest matmul precision: relative error <= 1e-6.
+DP-full) matrices in one process, fp32 with highest matmul precision: relative error <= 1e-6; and
+against the same Muon in float64: within ``FLOAT64_DISTANCE_FACTOR`` times the fp32 reference's
+own distance from it (tests/muon_reference.py).
 """
 
 from __future__ import annotations
@@ -9,69 +11,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
-from tests.test_sharded_muon import MUON_KWARGS, TOLERANCE, _full_tensor
+from megatron_muon.testing import run_on_ranks
+from tests.muon_reference import (
+    MUON_KWARGS,
+    TOLERANCE,
+    assert_ranks_within_float64_bound,
+    float64_distances,
+    full_tensor,
+)
+from tests.row_split_parity import (
+    float64_reference,
+    position_errors,
+    position_float64_distances,
+    position_rows,
+    relative_error,
+    row_shard,
+    run_constructed_splits,
+    sharded_and_full,
+    splits_for_rows,
+    step_both,
+)
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
-
-
-def _relative(mine: torch.Tensor, full_rows: torch.Tensor, full: torch.Tensor) -> float:
-    return ((mine - full_rows).norm() / full.norm()).item()
-
-
-def _rows(split: list[int], position: int) -> slice:
-    """The rows a shard position holds when rows are split ``split`` (in position order)."""
-    start = sum(split[:position])
-    return slice(start, start + split[position])
-
-
-def _row_shard(full: torch.Tensor, rows: slice, mesh, placements):
-    """``full``'s rows ``rows`` as this rank's local part of an uneven row-sharded DTensor."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        full[rows].clone(),
-        mesh,
-        placements,
-        run_check=False,
-        shape=full.shape,
-        stride=full.stride(),
-    )
-
-
-def _sharded_and_full(fulls, splits, position: int, mesh, placements):
-    """Param i as this rank's rows ``_rows(splits[i], position)`` of a row-sharded DTensor, the
-    full-tensor reference params, and ``grad_rows`` for ``_step_both`` (None where no rows)."""
-
-    def dtensor(i: int, full: torch.Tensor):
-        return _row_shard(full, _rows(splits[i], position), mesh, placements)
-
-    params = [torch.nn.Parameter(dtensor(i, f)) for i, f in enumerate(fulls)]
-    reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-
-    def grad_rows(i: int, grad: torch.Tensor):
-        return None if splits[i][position] == 0 else dtensor(i, grad)
-
-    return params, reference_params, grad_rows
-
-
-def _row_errors(params, reference_params, splits, position: int) -> list[float]:
-    """Each param's local rows against the same rows of its reference, relative to the full norm."""
-    return [
-        _relative(p.to_local(), ref.detach()[_rows(splits[i], position)], ref.detach())
-        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True))
-    ]
-
-
-def _step_both(params, reference_params, optimizer, reference, grad_rows, steps: int) -> None:
-    """``grad_rows(i, full_grad)`` returns this rank's grad for param i (or None)."""
-    for step in range(steps):
-        for i, ref in enumerate(reference_params):
-            grad = _full_tensor(ref.shape, seed=1000 * step + i + 7)
-            ref.grad = grad.clone()
-            params[i].grad = grad_rows(i, grad)
-        optimizer.step()
-        reference.step()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,16 +51,24 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     inner = mesh.get_coordinate()[1]
     shapes = [(48, 16), (16, 48), (33, 7)]
     splits = [[20, 28], [16, 0], [3, 30]]
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(
+    params, reference_params, grad_rows = sharded_and_full(
         fulls, splits, inner, mesh, [Replicate(), Shard(0)]
     )
     optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
-    error = max(_row_errors(params, reference_params, splits, inner))
-    return {"error": error, "locals": [p.to_local().detach().clone() for p in params]}
+    truth = float64_reference(reference_params, **MUON_KWARGS)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
+    error = max(position_errors(params, reference_params, splits, inner))
+    truth_params = truth.param_groups[0]["params"]
+    return {
+        "error": error,
+        "float64": position_float64_distances(
+            params, reference_params, truth_params, splits, inner
+        ),
+        "locals": [p.to_local().detach().clone() for p in params],
+    }
 
 
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -107,6 +76,7 @@ def test_hsdp_replicas_stay_bitwise_equal_and_match_unsharded_muon(mode):
     results = run_on_ranks(_run_hsdp, 4, mode)
     for result in results:
         assert result["error"] <= TOLERANCE
+    assert_ranks_within_float64_bound(results)
     # ranks 0 and 2 (and 1 and 3) are replicas: same inner shard coordinate
     for a, b in ((0, 2), (1, 3)):
         for x, y in zip(results[a]["locals"], results[b]["locals"], strict=True):
@@ -141,16 +111,16 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             ((hidden, 2 * hidden), 1, [32, 0], False),
             ((48, hidden), 0, [10, 14], False),
         ]
-        fulls = [_full_tensor(shape, seed=i) for i, (shape, *_rest) in enumerate(specs)]
+        fulls = [full_tensor(shape, seed=i) for i, (shape, *_rest) in enumerate(specs)]
 
         def tp_local(i: int, full: torch.Tensor) -> torch.Tensor:
             return full.chunk(2, dim=specs[i][1])[tp_rank]
 
         def dp_rows(i: int) -> slice:
-            return _rows(specs[i][2], dp_rank)
+            return position_rows(specs[i][2], dp_rank)
 
         def dtensor(i: int, full: torch.Tensor) -> DTensor:
-            return _row_shard(tp_local(i, full), dp_rows(i), mesh, [Shard(0)])
+            return row_shard(tp_local(i, full), dp_rows(i), mesh, [Shard(0)])
 
         params = []
         for i, full in enumerate(fulls):
@@ -175,19 +145,30 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             **{**kwargs, "tp_mode": tp_mode},
         )
         reference = TensorParallelMuon(reference_params, **kwargs)
-        _step_both(
+        truth = float64_reference(reference_params, **kwargs)
+        step_both(
             params,
             reference_params,
             optimizer,
             reference,
             lambda i, g: None if specs[i][2][dp_rank] == 0 else dtensor(i, g),
-            steps=2,
+            2,
+            truth,
         )
-        errors = []
-        for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
+        errors, distances = [], {}
+        truth_params = truth.param_groups[0]["params"]
+        for i, (p, ref, full64) in enumerate(
+            zip(params, reference_params, truth_params, strict=True)
+        ):
             expected = tp_local(i, ref.detach())[dp_rows(i)]
-            errors.append(_relative(p.to_local(), expected, ref.detach()))
-        return {"errors": errors}
+            errors.append(relative_error(p.to_local(), expected, ref.detach()))
+            distances[f"param {i}"] = float64_distances(
+                p.to_local(),
+                expected,
+                tp_local(i, full64.detach())[dp_rows(i)],
+                norm=full64.detach().norm(),
+            )
+        return {"errors": errors, "float64": distances}
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -198,6 +179,7 @@ def test_tp2_dp2_with_qkv_split_matches_unsharded_muon(tp_mode, mode):
     results = run_on_ranks(_run_tp_dp, 4, tp_mode, mode)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -216,13 +198,18 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     shapes = [(5, 12, 8), (4, 8, 12), (24, 8)]  # two grouped expert tensors and a 2-D expert weight
     splits = [[2, 0, 3], [1, 3, 0], [9, 9, 6]]
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
+    params, reference_params, grad_rows = sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=3)
-    return {"errors": _row_errors(params, reference_params, splits, rank)}
+    truth = float64_reference(reference_params, **MUON_KWARGS)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
+    truth_params = truth.param_groups[0]["params"]
+    return {
+        "errors": position_errors(params, reference_params, splits, rank),
+        "float64": position_float64_distances(params, reference_params, truth_params, splits, rank),
+    }
 
 
 @pytest.mark.parametrize("mode", ["owner", "gather"])
@@ -230,6 +217,7 @@ def test_3d_expert_tensors_are_orthogonalized_per_expert_over_the_expert_dp_grou
     results = run_on_ranks(_run_experts, 3, mode)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,11 +226,9 @@ def test_3d_expert_tensors_are_orthogonalized_per_expert_over_the_expert_dp_grou
 
 
 def _run_buckets(rank: int, world_size: int, bucket_size_bytes: int | None) -> dict:
-    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
-
     shapes = [(64, 32)] * 6 + [(32, 96)] * 3
-    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
-    return _run_constructed_splits(
+    splits = [splits_for_rows(r, world_size) for r, _ in shapes]
+    return run_constructed_splits(
         rank,
         world_size,
         shapes,
@@ -257,6 +243,7 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
     bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices
     one_bucket = run_on_ranks(_run_buckets, 2, None)
     bucketed = run_on_ranks(_run_buckets, 2, bucket)
+    assert_ranks_within_float64_bound(bucketed)
     for whole, parts in zip(one_bucket, bucketed, strict=True):
         assert parts["errors"]["param"] <= TOLERANCE
         assert parts["stats"].peak_full_matrix_bytes <= bucket
@@ -266,13 +253,11 @@ def test_bucketed_exchange_bounds_peak_full_matrix_memory_and_keeps_the_result()
 
 
 def _run_overlap(rank: int, world_size: int, overlap: bool) -> dict:
-    from tests.test_sharded_muon import _run_constructed_splits, _splits_for_rows
-
     shapes = [(64, 32)] * 6 + [(32, 96)] * 3
-    splits = [_splits_for_rows(r, world_size) for r, _ in shapes]
+    splits = [splits_for_rows(r, world_size) for r, _ in shapes]
     bucket = 3 * 64 * 32 * 4  # three 64x32 fp32 matrices: three buckets or more
     kwargs = {"bucket_size_bytes": bucket, "overlap_buckets": overlap}
-    return _run_constructed_splits(
+    return run_constructed_splits(
         rank, world_size, shapes, splits, "owner", 2, sharded_only=kwargs
     ) | {"bucket": bucket}
 
@@ -280,6 +265,7 @@ def _run_overlap(rank: int, world_size: int, overlap: bool) -> dict:
 def test_overlapped_buckets_give_bitwise_the_sequential_update_holding_at_most_two_buckets():
     sequential = run_on_ranks(_run_overlap, 2, False)
     overlapped = run_on_ranks(_run_overlap, 2, True)
+    assert_ranks_within_float64_bound(overlapped)
     for seq, over in zip(sequential, overlapped, strict=True):
         assert over["errors"]["param"] <= TOLERANCE
         # Same arithmetic in the same order, only the messages' timing differs: bitwise equal.
@@ -318,6 +304,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     ]
     optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
+    truth = float64_reference(reference_params, **MUON_KWARGS)
 
     def grad_rows(i: int, grad: torch.Tensor):
         local = params[i].to_local()
@@ -332,14 +319,20 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
             stride=params[i].stride(),
         )
 
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
-    errors = []
-    layout = []
-    for p, ref, start in zip(params, reference_params, starts, strict=True):
+    step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
+    errors, layout, distances = [], [], {}
+    truth_params = truth.param_groups[0]["params"]
+    for i, (p, ref, full64, start) in enumerate(
+        zip(params, reference_params, truth_params, starts, strict=True)
+    ):
         local = p.to_local()
+        rows = slice(start, start + local.shape[0])
         layout.append((start, local.shape[0], str(p.placements)))
-        errors.append(_relative(local, ref.detach()[start : start + local.shape[0]], ref.detach()))
-    return {"errors": errors, "layout": layout}
+        errors.append(relative_error(local, ref.detach()[rows], ref.detach()))
+        distances[f"param {i}"] = float64_distances(
+            local, ref.detach()[rows], full64.detach()[rows], norm=full64.detach().norm()
+        )
+    return {"errors": errors, "float64": distances, "layout": layout}
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
@@ -347,6 +340,7 @@ def test_matches_unsharded_muon_on_megatron_fsdp_hsdp_layouts(outer):
     results = run_on_ranks(_run_real_hsdp, 4, outer)
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,9 +365,9 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
     shapes, qkv_split = SPLIT_CASES[case]
     mesh = init_device_mesh("cpu", (world_size,))
     splits = [[r // 2, 0, r - r // 2 - r // 4, r // 4] for r, _ in shapes]  # uneven, one empty
-    fulls = [_full_tensor(s, seed=i) for i, s in enumerate(shapes)]
+    fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
-    params, reference_params, grad_rows = _sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
+    params, reference_params, grad_rows = sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
     kwargs = dict(MUON_KWARGS)
     if qkv_split is not None:
         params[0].is_qkv = reference_params[0].is_qkv = True
@@ -384,11 +378,14 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
         )
     optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
     reference = TensorParallelMuon(reference_params, **kwargs)
-    _step_both(params, reference_params, optimizer, reference, grad_rows, steps=2)
+    truth = float64_reference(reference_params, **kwargs)
+    step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)
     plan = optimizer.owner_plan()
+    truth_params = truth.param_groups[0]["params"]
     return {
         "split_sizes": plan.split_sizes,
-        "errors": _row_errors(params, reference_params, splits, rank),
+        "errors": position_errors(params, reference_params, splits, rank),
+        "float64": position_float64_distances(params, reference_params, truth_params, splits, rank),
         "flops": optimizer.step_stats.ns_flops,
     }
 
@@ -399,5 +396,6 @@ def test_split_matrix_ns_plans_are_executed_exactly(case):
     assert any(size > 1 for size in results[0]["split_sizes"]), results[0]["split_sizes"]
     for result in results:
         assert max(result["errors"]) <= TOLERANCE, result
+    assert_ranks_within_float64_bound(results)
     flops = [r["flops"] for r in results]
     assert max(flops) <= 1.15 * sum(flops) / len(flops), flops

@@ -13,27 +13,20 @@ import copy
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
-from tests.test_sharded_muon import (
-    MUON_KWARGS,
-    TOLERANCE,
-    _full_tensor,
-    _offsets,
-    _relative_errors,
-    _set_sharded_grad,
-    _sharded_param,
-)
+from megatron_muon.testing import run_on_ranks
+from tests.muon_reference import MUON_KWARGS, TOLERANCE, full_tensor
+from tests.row_split_parity import offsets, relative_errors, set_sharded_grad, sharded_param
 
 SHAPES = [(12, 8), (8, 12), (6, 6)]
 
 
 def _plain_params(seed: int = 0) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(_full_tensor(s, seed=seed + i)) for i, s in enumerate(SHAPES)]
+    return [torch.nn.Parameter(full_tensor(s, seed=seed + i)) for i, s in enumerate(SHAPES)]
 
 
 def _step_both(optimizer, reference, params, reference_params, step: int) -> None:
     for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
-        p.grad = _full_tensor(p.shape, seed=100 * step + i)
+        p.grad = full_tensor(p.shape, seed=100 * step + i)
         ref.grad = p.grad.clone()
     optimizer.step()
     reference.step()
@@ -72,8 +65,8 @@ def test_a_tensor_parallel_muon_state_dict_without_a_momentum_loads_and_steps_li
 
     saved_params = _plain_params()
     saving = TensorParallelMuon(saved_params, **MUON_KWARGS)
-    saved_params[0].grad = _full_tensor(SHAPES[0], seed=7)
-    saved_params[2].grad = _full_tensor(SHAPES[2], seed=8)  # param 1 never has a grad
+    saved_params[0].grad = full_tensor(SHAPES[0], seed=7)
+    saved_params[2].grad = full_tensor(SHAPES[2], seed=8)  # param 1 never has a grad
     saving.step()
     state_dict = saving.state_dict()
     assert sorted(state_dict["state"]) == [0, 2]
@@ -98,8 +91,8 @@ def _add_group_on_ranks(rank: int, world_size: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,))
     splits = [[5, 7], [4, 4], [6, 0]]
-    fulls = [_full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
-    params = [_sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
+    fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
+    params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
     optimizer = ShardedMuon(params[:2], **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params[:2], **MUON_KWARGS)
@@ -109,13 +102,13 @@ def _add_group_on_ranks(rank: int, world_size: int) -> dict:
             reference.add_param_group({"params": [reference_params[2]]})
         count = 2 if step == 0 else 3
         for i in range(count):
-            grad = _full_tensor(SHAPES[i], seed=100 * step + i)
+            grad = full_tensor(SHAPES[i], seed=100 * step + i)
             reference_params[i].grad = grad.clone()
-            _set_sharded_grad(params[i], grad, splits[i], rank, none_if_empty=True)
+            set_sharded_grad(params[i], grad, splits[i], rank, none_if_empty=True)
         optimizer.step()
         reference.step()
-    starts = [_offsets(rows)[rank] for rows in splits]
-    return _relative_errors(params, optimizer, reference_params, reference, starts)
+    starts = [offsets(rows)[rank] for rows in splits]
+    return relative_errors(params, optimizer, reference_params, reference, starts)
 
 
 @pytest.mark.multirank

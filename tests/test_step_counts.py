@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import run_on_ranks
+from megatron_muon.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
-from tests.harness import run_on_ranks
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -246,7 +246,7 @@ def test_bf16_model_trains_with_fp32_main_params_and_no_float16_optimizer_wrappe
 def _nan_gradient_on_rank_1(rank: int, world_size: int) -> dict:
     from megatron_muon import build_muon_optimizer
     from megatron_muon.checkpointing import leaf_optimizers
-    from tests.test_checkpointing import _assert_bitwise_equal, _local_snapshot
+    from tests.checkpoint_toys import assert_bitwise_equal, local_snapshot
 
     gpt_parity.init_megatron()
     run = Run("mcore", "optim_grads_params")
@@ -262,13 +262,13 @@ def _nan_gradient_on_rank_1(rank: int, world_size: int) -> dict:
         if step == 1 and rank == 1:
             loss = loss * float("nan")  # NaN gradients on rank 1 only
         loss.backward()
-        snapshots.append(_local_snapshot(wrapped, leaf_optimizers(optimizer)))
+        snapshots.append(local_snapshot(wrapped, leaf_optimizers(optimizer)))
         ok, grad_norm, _ = optimizer.step()
         results.append((ok, grad_norm))
-    snapshots.append(_local_snapshot(wrapped, leaf_optimizers(optimizer)))
+    snapshots.append(local_snapshot(wrapped, leaf_optimizers(optimizer)))
     unchanged = True
     try:
-        _assert_bitwise_equal(snapshots[1], snapshots[2], "the skipped step")
+        assert_bitwise_equal(snapshots[1], snapshots[2], "the skipped step")
     except AssertionError:
         unchanged = False
     finite = all(

@@ -2,8 +2,8 @@
 products computed by halves, against the float64 polynomial and against standard NS.
 
 Accuracy is the max deviation of singular values from a float64 evaluation of the same NS
-polynomial (``test_newton_schulz._reference``), compared with what standard NS itself achieves in
-the same precision on the same input: the noise floor is measured in each test.
+polynomial (``tests.newton_schulz_reference.float64_polynomial``), compared with what standard NS
+itself achieves in the same precision on the same input: the noise floor is measured in each test.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 
 from megatron_muon.newton_schulz.methods import NSConfig, ns_flops, orthogonalize
-from tests.test_newton_schulz import (
+from tests.newton_schulz_reference import (
     SCHEDULES,
-    _reference,
-    _schedule,
-    _spread_matrix,
-    _sv_deviation,
+    float64_polynomial,
+    schedule_of,
+    spread_matrix,
+    sv_deviation,
 )
 
 # Odd short sides too: the halves are ceil(k / 2) and floor(k / 2) rows.
@@ -37,7 +37,7 @@ def _restore_precision() -> Iterator[None]:
 def _inputs(shape: tuple[int, ...]) -> list[torch.Tensor]:
     """A Gaussian matrix and one with singular values spread over [1e-6, 1]."""
     gaussian = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-    return [gaussian, _spread_matrix(shape, -6.0, seed=2)]
+    return [gaussian, spread_matrix(shape, -6.0, seed=2)]
 
 
 @pytest.mark.parametrize("precision", ["highest", "medium"])
@@ -55,14 +55,14 @@ def test_symmetric_is_as_close_to_the_float64_polynomial_as_standard(
     NS happens to be exact (a few fp32 ulps of the unit-scale result).
     """
     torch.set_float32_matmul_precision(precision)
-    schedule = _schedule(coefficient_type, steps)
+    schedule = schedule_of(coefficient_type, steps)
     config = NSConfig(num_ns_steps=steps, coefficient_type=coefficient_type, ns_method="symmetric")
     for x in _inputs(shape):
-        reference = _reference(x, schedule)
+        reference = float64_polynomial(x, schedule)
         standard = newton_schulz(x, steps, "custom", custom_coefficient_sets=schedule)
         symmetric = orthogonalize(x, config)
-        standard_dev = _sv_deviation(standard, reference)
-        symmetric_dev = _sv_deviation(symmetric, reference)
+        standard_dev = sv_deviation(standard, reference)
+        symmetric_dev = sv_deviation(symmetric, reference)
         assert symmetric.shape == x.shape and symmetric.dtype == torch.float32
         assert symmetric_dev <= 2 * standard_dev + 1e-6, (symmetric_dev, standard_dev)
 

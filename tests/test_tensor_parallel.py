@@ -28,8 +28,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.testing import run_on_ranks
 from tests import tp_parity
-from tests.harness import run_on_ranks
 from tests.tp_parity import DENSE_TP2, DENSE_TP2_QK_CLIP, EXPERT_TP2, TP_MODES
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks

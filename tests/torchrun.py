@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.harness import require_multirank_marker
+from tests.multirank import require_multirank_marker
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "megatron_lm_driver.py"
@@ -52,6 +52,28 @@ NUM_ITERS = 6
 MUON_FLAGS = [
     *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
     *("--train-iters", str(NUM_ITERS)),
+]
+
+# The expert-parallel loop tests: iterations and flags (Muon, 4 experts, QK-clip; MLA on top).
+EP_ITERS = 5
+# 4 experts, no linear biases (megatron-core 0.19.2's SequentialMLP adds its bias in place on a
+# view that autograd refuses at EP=1), the all-to-all dispatcher (the uneven all-to-all path),
+# QK-clip low enough that heads are clipped in the later iterations.
+MOE_FLAGS = [
+    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
+    *("--num-experts 4 --disable-bias-linear --moe-token-dispatcher-type alltoall").split(),
+    *("--data-parallel-sharding-strategy optim_grads_params").split(),
+    *("--qk-clip --qk-clip-threshold 0.5").split(),
+    *("--train-iters", str(EP_ITERS)),
+]
+
+# Multi-latent attention with q-LoRA (DeepSeek-V3's attention) in place of the GPT's attention,
+# after MOE_FLAGS. Its max logits are smaller (0.03 at iteration 1 on one rank, up to 0.10 later
+# unclipped): at 0.04 iteration 1 clips nothing, later ones some or all of the 8 heads.
+MLA_FLAGS = [
+    *("--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 32 --qk-head-dim 16").split(),
+    *("--qk-pos-emb-head-dim 8 --v-head-dim 16 --position-embedding-type rope").split(),
+    *("--qk-clip-threshold", "0.04"),
 ]
 
 _ITERATION_LINE = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")

@@ -1,25 +1,23 @@
-"""Multi-rank launcher of the tests and the benchmarks: run a function on N ranks, fast, never hang.
+"""Run a function on N ranks in one call, fast, never hanging: multi-rank unit tests on CPU.
 
 ``run_on_ranks(fn, world_size, *args, timeout=..., device="cpu")`` starts ``world_size`` processes
 from a forkserver whose preload already imported torch, megatron-core and megatron_fsdp (a launch
 then costs well under a second after the first), initialises a process group through a fresh file
 store (no ports to race for), calls ``fn(rank, world_size, *args)`` and returns the per-rank
-results in rank order. On CPU (the tests) each rank runs one thread on gloo with the CPU stand-ins
-of ``megatron_muon.cpu_stand_ins`` applied; with ``device="cuda"`` (``python -m benchmarks
---device cuda``) each rank drives GPU ``rank`` over NCCL.
+results in rank order. On CPU each rank runs one thread on gloo with the CPU stand-ins of
+``megatron_muon.cpu_stand_ins`` applied; with ``device="cuda"`` each rank drives GPU ``rank`` over
+NCCL. This project's tests and benchmarks launch through it; so can a user's own tests.
 
-- A rank that raises: its traceback is re-raised in pytest (``RankFailure``), all ranks' errors
-  together; ranks stuck in a collective with the failed one are killed.
+- A rank that raises: ``RankFailure`` carries every failed rank's traceback; ranks stuck in a
+  collective with the failed one are killed.
 - A rank that does not finish within ``timeout`` seconds: ``RankTimeout`` names the ranks that did
   not finish, and every rank is killed.
 
 ``fn`` must be a module-level function (it is pickled by reference). Results travel back through
-``torch.save`` bytes, so tensors and nested containers of them are fine. The benchmarks
-(``benchmarks/launcher.py``) launch through this same function.
+``torch.save`` bytes, so tensors and nested containers of them are fine.
 
-A test that launches ranks (here or through ``tests/torchrun.py``) must carry
-``@pytest.mark.multirank``: ``pytest -m "not multirank"`` is the single-process selection (the
-oldest-stack CI run), and a launch from an unmarked test fails (``require_multirank_marker``).
+``set_launch_check(check)`` installs a function called before every launch (a test suite uses it
+to require a marker on the tests that launch processes: this project's ``tests/multirank.py``).
 """
 
 from __future__ import annotations
@@ -50,32 +48,21 @@ _PRELOAD = [
     "megatron_fsdp",
     "emerging_optimizers",
     "megatron_muon",
-    "tests.harness",
+    "megatron_muon.testing.ranks",
 ]
 
 _contexts: dict[str, Any] = {}
-# Whether the running test carries the ``multirank`` marker (tests/conftest.py sets it before each
-# test's fixtures); None outside pytest.
-_test_is_multirank: bool | None = None
+_launch_check: Callable[[str], None] | None = None
 
 
-def set_test_is_multirank(value: bool | None) -> None:
-    """Called by tests/conftest.py before each test's set-up."""
-    global _test_is_multirank
-    _test_is_multirank = value
+def set_launch_check(check: Callable[[str], None] | None) -> None:
+    """Installs ``check(what)``, called before every launch (``what``: e.g. ``"3 ranks"``).
 
-
-def require_multirank_marker(what: str) -> None:
-    """Raises when a test without ``@pytest.mark.multirank`` launches ranks.
-
-    Without the marker the test would be selected by ``-m "not multirank"`` (the single-process
-    run) and launch processes there.
+    ``check`` raises to refuse the launch; ``None`` removes it. A test suite installs one to tie
+    launches to a marker (this project's ``tests/conftest.py`` does, for ``multirank``).
     """
-    if _test_is_multirank is False:
-        raise RuntimeError(
-            f"this test launches {what} but is not marked @pytest.mark.multirank "
-            "(tests/harness.py): mark it, or its fixture's tests"
-        )
+    global _launch_check
+    _launch_check = check
 
 
 class RankFailure(RuntimeError):
@@ -142,7 +129,7 @@ def _rank_entry(
             cpu_stand_ins.install()
         result = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", _encode(result)))
-    except BaseException:  # noqa: BLE001 - every failure must reach pytest
+    except BaseException:  # noqa: BLE001 - every failure must reach the caller
         results.put((rank, "error", traceback.format_exc()))
     finally:
         try:
@@ -171,8 +158,10 @@ def run_on_ranks(
     Raises:
         RankFailure: a rank raised (all failed ranks' tracebacks in the message).
         RankTimeout: ranks did not finish within ``timeout`` seconds (named in the message).
+        Whatever the check installed by ``set_launch_check`` raises, before any process starts.
     """
-    require_multirank_marker(f"{world_size} ranks")
+    if _launch_check is not None:
+        _launch_check(f"{world_size} ranks")
     ctx = _get_context(device)
     results = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="mm_store_")

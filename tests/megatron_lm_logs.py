@@ -1,0 +1,34 @@
+"""What Megatron-LM's loop printed, and the checks the loop tests make on it: losses that fall,
+losses equal to a reference's to ``RELATIVE_TOLERANCE``, the lines a rank printed with a prefix.
+"""
+
+from __future__ import annotations
+
+from tests.torchrun import MegatronRun
+
+RELATIVE_TOLERANCE = 1e-5  # the log prints 7 significant digits
+
+
+def assert_loss_falls(losses: list[float], num_iters: int = 5) -> None:
+    """The loss over the first ``num_iters`` iterations falls by at least 5%.
+
+    A run whose compute weights never change (stock megatron-core's Muon under no_shard, which
+    steps the main weights but never installs them into the compute weights) prints the same loss
+    at every iteration and fails here.
+    """
+    first, last = losses[0], losses[num_iters - 1]
+    assert last < 0.95 * first, f"loss did not fall over {num_iters} iterations: {losses}"
+
+
+def assert_same_losses(run: list[float], reference: list[float]) -> None:
+    """Per-iteration losses equal to ``RELATIVE_TOLERANCE``."""
+    assert len(run) == len(reference), (run, reference)
+    for iteration, (value, expected) in enumerate(zip(run, reference, strict=True), start=1):
+        assert abs(value - expected) <= RELATIVE_TOLERANCE * abs(expected), (
+            f"iteration {iteration}: {value} vs {expected}\nrun: {run}\nreference: {reference}"
+        )
+
+
+def printed_lines(run: MegatronRun, rank: int, prefix: str) -> list[str]:
+    """The lines of ``rank``'s output that start with ``prefix`` (what the loop printed)."""
+    return [line for line in run.rank_outputs[rank].splitlines() if line.startswith(prefix)]
