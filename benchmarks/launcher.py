@@ -1,4 +1,4 @@
-"""Runs a benchmark rank body on N ranks: the tests' launcher (``tests/harness.py``), whose ranks
+"""Runs a benchmark rank body on N ranks: the multi-rank launcher (``megatron_muon.testing``), whose ranks
 never hang (a timeout names the ranks that did not finish) and report every failure.
 
 On CPU each rank runs one thread on gloo with the CPU stand-ins applied; with ``device="cuda"``
@@ -23,8 +23,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, device: DeviceT, *args: A
     ``fn`` must be a module-level function (it is pickled by reference).
 
     Raises:
-        tests.harness.RankFailure: a rank raised (its traceback in the message).
-        tests.harness.RankTimeout: ranks did not finish within 600 s (named in the message).
+        megatron_muon.testing.RankFailure: a rank raised (its traceback in the message).
+        megatron_muon.testing.RankTimeout: ranks did not finish within 600 s (named in the message).
     """
     from benchmarks.machine import quiet_rank
 
