@@ -1,5 +1,5 @@
-"""Runs a benchmark rank body on N ranks: the multi-rank launcher (``megatron_muon.testing``), whose ranks
-never hang (a timeout names the ranks that did not finish) and report every failure.
+"""Runs a benchmark rank body on N ranks: the multi-rank launcher (``megatron_muon.testing``),
+whose ranks never hang (a timeout names the ranks that did not finish) and report every failure.
 
 On CPU each rank runs one thread on gloo with the CPU stand-ins applied; with ``device="cuda"``
 each rank drives its own GPU over NCCL. A benchmark run may take minutes: 600 s per launch.
