@@ -8,8 +8,8 @@ order; validation on the same held-out sequences at every evaluation). Only ``--
 the learning rate differ. The run's shape is ``configs/tiny-cpu.yaml``'s (200 iterations,
 evaluation every 20).
 
-Fair learning rates: each optimizer's peak LR is the best of a sweep on 100 iterations of the same
-config (the table: docs/megatron-fsdp-measurements.md); the schedule (10 warm-up iterations, cosine
+Fair learning rates: each optimizer's peak LR is the best of a sweep on the demo's own config
+(the table: docs/megatron-fsdp-measurements.md); the schedule (10 warm-up iterations, cosine
 decay to LR/10) is the same for both.
 
 While each run trains, its progress lines (iteration, train loss, last validation loss, elapsed
@@ -39,7 +39,7 @@ __all__ = ["main", "DEMO_RUNS", "echo_progress"]
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml"
 # optimizer -> peak learning rate (the best of the sweep, docs/megatron-fsdp-measurements.md)
-DEMO_RUNS = {"muon": 0.003, "adam": 0.01}
+DEMO_RUNS = {"muon": 0.005, "adam": 0.0015}
 LABELS = {"muon": "Muon", "adam": "AdamW"}
 
 
