@@ -11,8 +11,8 @@ run shape, data and checkpoints, and three things of its own:
 - **A progress line** per ``--log-interval``: iteration, learning rate, train loss, the last
   validation loss, tokens/s, step time and the optimizer step's share of it (Megatron's own log
   lines are printed as well), and a progress bar on rank 0 when stderr is a terminal.
-- **A JSON log** (``--log-json PATH``: one record per logged iteration and per evaluation) and,
-  with ``--plot PATH``, a PNG of the train and validation loss curves.
+- **A JSON log** (``--log-json PATH``: one record per iteration and per evaluation) and, with
+  ``--plot PATH``, a PNG of the train and validation loss curves (``megatron_muon.cli.loss_plot``).
 
 Model and run-length flags are enough: Megatron-FSDP with ``fsdp_dtensor`` checkpoints, position
 embeddings, evaluation and logging intervals and, without a GPU, the CPU/gloo flags are filled in
@@ -62,30 +62,9 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
     if args.log_json:
         Path(args.log_json).write_text(json.dumps(log.as_dict(), indent=1))
     if args.plot:
-        import matplotlib
+        from megatron_muon.cli.loss_plot import plot_loss_curves
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, axis = plt.subplots(figsize=(7, 4))
-        axis.plot(
-            [r["iteration"] for r in log.train],
-            [r["train_loss"] for r in log.train],
-            label=f"train ({args.optimizer})",
-        )
-        periodic = [r for r in log.valid if not r.get("final")]
-        if periodic:
-            axis.plot(
-                [r["iteration"] for r in periodic],
-                [r["valid_loss"] for r in periodic],
-                "o-",
-                label=f"validation ({args.optimizer})",
-            )
-        axis.set_xlabel("iteration")
-        axis.set_ylabel("loss")
-        axis.legend()
-        figure.tight_layout()
-        figure.savefig(args.plot, dpi=120)
+        plot_loss_curves({args.optimizer: log.as_dict()}, args.plot, title="megatron_muon.pretrain")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,3 +49,23 @@ def test_a_user_text_file_and_bad_inputs(tmp_path):
         load_text_splits(path, valid_fraction=1.5)
     with pytest.raises(ValueError, match="fewer than one sequence"):
         ByteTextDataset(torch.zeros(4, dtype=torch.uint8), seq_length=8)
+
+
+def test_a_fixed_validation_set_repeats_the_same_spread_out_windows_every_evaluation():
+    tokens = torch.arange(200, dtype=torch.uint8)  # 24 windows of 8
+    dataset = ByteTextDataset(tokens, seq_length=8, num_samples=18, fixed_windows=6)
+    first = [dataset[i]["tokens"][0].item() for i in range(6)]
+    assert first == [0, 32, 64, 96, 128, 160]  # every 4th window: the whole split is read
+    # the second and third evaluations (samples 6-11, 12-17) read the same windows, in order
+    assert [dataset[i]["tokens"][0].item() for i in range(6, 18)] == first * 2
+    assert ByteTextDataset(tokens, seq_length=8, fixed_windows=100).num_windows == 24
+    with pytest.raises(ValueError, match="fixed_windows"):
+        ByteTextDataset(tokens, seq_length=8, fixed_windows=0)
+
+
+def test_shuffled_windows_are_a_seeded_permutation_of_the_stream():
+    tokens = torch.arange(200, dtype=torch.uint8)
+    starts = [ByteTextDataset(tokens, 8, shuffle_seed=seed) for seed in (1, 1, 2)]
+    orders = [[d[i]["tokens"][0].item() for i in range(len(d))] for d in starts]
+    assert orders[0] == orders[1] != orders[2]  # the same on every rank for one seed
+    assert sorted(orders[0]) == list(range(0, 192, 8)) != orders[0]

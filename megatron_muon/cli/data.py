@@ -95,21 +95,53 @@ def load_text_splits(
 
 
 class ByteTextDataset(torch.utils.data.Dataset):
-    """Consecutive ``seq_length``-token windows of a byte stream, as GPT samples.
+    """``seq_length``-token windows of a byte stream, as GPT samples.
 
-    Sample ``i`` covers bytes ``[i * seq_length, (i + 1) * seq_length + 1)``: ``tokens`` are the
-    first ``seq_length``, ``labels`` the same shifted by one. With ``num_samples`` above the number
-    of windows, samples wrap around (epochs), as Megatron's datasets do.
+    By default sample ``i`` covers bytes ``[i * seq_length, (i + 1) * seq_length + 1)``:
+    ``tokens`` are the first ``seq_length``, ``labels`` the same shifted by one. With
+    ``num_samples`` above the number of windows, samples wrap around (epochs), as Megatron's
+    datasets do.
+
+    ``shuffle_seed`` reads the windows in a fixed random order (the same on every rank for the
+    same seed; each epoch the same), as Megatron's ``GPTDataset`` shuffles its samples: in stream
+    order a global batch is a few kilobytes of one or two files, and the loss of each iteration
+    follows those files (tables of constants, prose, code) more than the model.
+
+    ``fixed_windows=N`` keeps only ``N`` windows, evenly spaced over the whole stream (every file
+    of a held-out split is represented), and wraps around after them: a validation set whose
+    evaluations each read exactly ``N`` consecutive samples then sees the same ``N`` windows, in
+    the same order, every time. Megatron's evaluation draws ``eval_iters`` fresh batches from a
+    continuing iterator; over consecutive windows of the stream each evaluation would read other
+    files, and the validation curve would follow the files rather than the model.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_length: int, num_samples: int | None = None):
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_length: int,
+        num_samples: int | None = None,
+        fixed_windows: int | None = None,
+        shuffle_seed: int | None = None,
+    ):
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
         self.tokens = tokens
         self.seq_length = seq_length
-        self.num_windows = (tokens.numel() - 1) // seq_length
-        if self.num_windows < 1:
+        num_stream_windows = (tokens.numel() - 1) // seq_length
+        if num_stream_windows < 1:
             raise ValueError(f"{tokens.numel()} tokens are fewer than one sequence of {seq_length}")
+        if fixed_windows is not None and fixed_windows < 1:
+            raise ValueError(f"fixed_windows must be positive, got {fixed_windows}")
+        self.num_windows = min(fixed_windows or num_stream_windows, num_stream_windows)
+        # window k starts at stream window floor(k * num_stream_windows / num_windows)
+        self.starts = [
+            (k * num_stream_windows // self.num_windows) * seq_length
+            for k in range(self.num_windows)
+        ]
+        self.order: list[int] | None = None
+        if shuffle_seed is not None:
+            generator = torch.Generator().manual_seed(shuffle_seed)
+            self.order = torch.randperm(self.num_windows, generator=generator).tolist()
         self.num_samples = num_samples if num_samples is not None else self.num_windows
         self.position_ids = torch.arange(seq_length, dtype=torch.int64)
         self.loss_mask = torch.ones(seq_length, dtype=torch.float32)
@@ -118,11 +150,12 @@ class ByteTextDataset(torch.utils.data.Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        start = (index % self.num_windows) * self.seq_length
-        window = self.tokens[start : start + self.seq_length + 1].to(torch.int64)
+        window = index % self.num_windows
+        start = self.starts[self.order[window] if self.order is not None else window]
+        sequence = self.tokens[start : start + self.seq_length + 1].to(torch.int64)
         return {
-            "tokens": window[:-1],
-            "labels": window[1:],
+            "tokens": sequence[:-1],
+            "labels": sequence[1:],
             "loss_mask": self.loss_mask,
             "position_ids": self.position_ids,
         }

@@ -1,8 +1,9 @@
 """The pretrain entry point's data and forward step, as Megatron-LM's ``pretrain_gpt.py`` has them.
 
 - ``datasets_provider``: the embedded byte-level text (``megatron_muon.cli.data``; ``--text-path``
-for
-  a file of the user's), or Megatron's datasets (``--mock-data``, or indexed ``--data-path``).
+  for a file of the user's), training windows in a random order (``--seed``), validated on a fixed
+  set of ``eval_iters * eval_global_batch_size`` held-out sequences; or Megatron's datasets
+  (``--mock-data``, or indexed ``--data-path``).
 - ``get_batch``: TP rank 0 reads each micro-batch, megatron-core's ``get_batch_on_this_tp_rank``
   broadcasts it over the tensor-parallel group.
 - ``loss_func`` / ``forward_step``: the summed token loss, checked for NaN, Inf and spikes through
@@ -40,12 +41,19 @@ def datasets_provider(num_samples: Sequence[int], vp_stage: int | None = None) -
     args = get_args()
     if _uses_byte_data(args):
         splits = load_text_splits(args.text_path)
+        train = ByteTextDataset(
+            splits.train, args.seq_length, max(1, num_samples[0]), shuffle_seed=args.seed
+        )
+        # Every evaluation reads the same sequences (ByteTextDataset's fixed_windows says why).
+        per_evaluation = max(1, args.eval_iters * args.eval_global_batch_size)
+        valid = ByteTextDataset(
+            splits.valid, args.seq_length, max(1, num_samples[1]), fixed_windows=per_evaluation
+        )
         print_rank_0(
             f"> byte-level data: {splits.source}: {splits.train.numel():,} training and "
-            f"{splits.valid.numel():,} validation tokens"
+            f"{splits.valid.numel():,} validation tokens; each evaluation reads the same "
+            f"{valid.num_windows} validation sequences, spread over the held-out files"
         )
-        train = ByteTextDataset(splits.train, args.seq_length, max(1, num_samples[0]))
-        valid = ByteTextDataset(splits.valid, args.seq_length, max(1, num_samples[1]))
         return train, valid, None
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
