@@ -36,9 +36,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
-# Files that other branches add at merge (the demo's committed plot); remove once they are in.
-LANDS_AT_MERGE = {"docs/demo_loss.png"}
-
 HELP_TIMEOUT_S = 300
 RUN_TIMEOUT_S = 300
 
@@ -250,13 +247,7 @@ def _links() -> list[object]:
                 if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, ...
                     continue
                 where = f"{path.relative_to(REPO)}:{number}"
-                file_part = target.partition("#")[0]
-                resolved = (path.parent / file_part).resolve() if file_part else path
-                rel = resolved.relative_to(REPO).as_posix() if resolved.is_relative_to(REPO) else ""
-                marks = []
-                if rel in LANDS_AT_MERGE:
-                    marks.append(pytest.mark.xfail(strict=False, reason=f"{rel} lands at merge"))
-                params.append(pytest.param(path, target, id=f"{where}->{target}", marks=marks))
+                params.append(pytest.param(path, target, id=f"{where}->{target}"))
     return params
 
 
