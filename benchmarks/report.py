@@ -6,8 +6,8 @@ from its ``results.json``: each section's lines, by the sections of ``benchmarks
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 from benchmarks.__main__ import format_markdown
 
@@ -15,9 +15,14 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    path = args[0] if args else "bench_out/results.json"
-    with open(path) as f:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Print a past `python -m benchmarks` run's Markdown tables (its results.md).",
+    )
+    parser.add_argument(
+        "results", nargs="?", default="bench_out/results.json", help="the run's results.json"
+    )
+    with open(parser.parse_args(argv).results) as f:
         print(format_markdown(json.load(f)))
     return 0
 

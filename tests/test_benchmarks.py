@@ -47,3 +47,20 @@ def test_missing_figures_names_what_is_absent():
     assert "optimizer_step.dense.by_dp.2.gather_s" in missing
     assert "training_step.muon_step_s" in missing
     assert "optimizer_step.moe.by_dp.*.owner_s" in missing
+
+
+def test_report_prints_help_and_a_past_runs_tables(tmp_path, capsys):
+    """``python -m benchmarks.report --help`` prints its usage; given a results.json it prints the
+    run's Markdown header line."""
+    from benchmarks import report
+
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "results.json" in capsys.readouterr().out
+
+    meta = {"device_name": "cpu", "date": "today", "git_commit": "abc", "torch": "2", "repeats": 3}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": {**meta, "warmup": 1, "seconds": 5.0}}))
+    assert report.main([str(path)]) == 0
+    assert capsys.readouterr().out.startswith("Device: cpu. Date: today. Commit abc")
