@@ -41,7 +41,6 @@ def test_our_flags_reach_the_fsdp_config():
         offload_momentum=True,
         bucket_size_bytes=2 * 2**20,
     )
-    assert config.sharded_muon_kwargs()["gram_half_dtype"] == "bfloat16"
     assert qk_clip_config_from_args(args) == QKClipConfig(threshold=50.0)
     with pytest.raises(ValueError, match="-3"):
         qk_clip_config_from_args(parser.parse_args(["--qk-clip-threshold=-3"]))
@@ -70,9 +69,46 @@ def test_each_flag_takes_its_default_and_choices_from_its_config_field():
         ("--muon-gram-restarts", "gram_restarts"),
         ("--muon-offload-momentum", "offload_momentum"),
         ("--muon-fsdp-overlap-buckets", "overlap_buckets"),
+        ("--muon-min-split-flops", "min_split_flops"),
     ]:
         assert actions[option].default == getattr(defaults, field)
     assert actions["--muon-fsdp-bucket-size-mb"].default * 2**20 == defaults.bucket_size_bytes
+
+
+def test_every_fsdp_config_field_with_flag_metadata_round_trips_through_its_flag():
+    # A new MuonFsdpConfig field with flag(...) metadata is a flag with no other code: parsing
+    # nothing gives the field's default, and a non-default value on the command line reaches it.
+    from dataclasses import fields
+
+    from megatron_muon import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args, fsdp_config_from_args
+
+    parser = add_muon_args(argparse.ArgumentParser())
+    flagged = [f.name for f in fields(MuonFsdpConfig) if "help" in f.metadata]
+    assert "custom_coefficient_sets" not in flagged  # no flag: Megatron's flags carry no triples
+    assert len(flagged) == len(fields(MuonFsdpConfig)) - 1
+    argv = [
+        "--muon-fsdp-mode=gather",
+        "--muon-fsdp-bucket-size-mb=0.5",
+        "--muon-ns-method=gram",
+        "--muon-gram-half-dtype=bfloat16",
+        "--muon-gram-restarts",
+        "2",
+        "--muon-offload-momentum",
+        "--muon-fsdp-overlap-buckets",
+        "--muon-min-split-flops=0",
+    ]
+    config = fsdp_config_from_args(parser.parse_args(argv))
+    for name in flagged:
+        assert getattr(config, name) != getattr(MuonFsdpConfig(), name), name
+    assert config.bucket_size_bytes == 2**19
+    assert not fsdp_config_from_args(
+        parser.parse_args(["--no-muon-offload-momentum"])
+    ).offload_momentum
+    with pytest.raises(ValueError, match="--muon-min-split-flops -1: min_split_flops must be >= 0"):
+        from megatron_muon.fsdp.arguments import check_muon_args
+
+        check_muon_args(parser.parse_args(["--muon-min-split-flops=-1"]))
 
 
 def test_our_copies_of_megatron_lms_muon_flags_equal_megatrons():

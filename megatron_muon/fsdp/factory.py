@@ -281,12 +281,12 @@ def _muon_optimizer(
         groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
+        muon=muon_config,
+        fsdp=fsdp_config,
+        dp_group=dp_group,
+        pg_collection=pg_collection,
         is_qkv_fn=is_qkv,
         qkv_split_shapes=qkv_split_shapes,
-        pg_collection=pg_collection,
-        dp_group=dp_group,
-        **muon_config.tensor_parallel_muon_kwargs(),
-        **fsdp_config.sharded_muon_kwargs(),
     )
     kind = "expert" if is_expert else "dense"
     line = (
