@@ -104,7 +104,10 @@ def saving_whole_or_refused(save_checkpoint: Callable[..., Any]) -> Callable[...
         from megatron.training.checkpointing import get_checkpoint_name
 
         megatron = get_args()
-        bound = signature.bind(*args, **kwargs).arguments
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # another wrapper's signature in between: Megatron's keywords hold
+            bound = dict(kwargs)
         if (
             not guarded(megatron)
             or bound.get("non_persistent_ckpt")
@@ -112,7 +115,7 @@ def saving_whole_or_refused(save_checkpoint: Callable[..., Any]) -> Callable[...
             or not dist.is_initialized()
         ):
             return save_checkpoint(*args, **kwargs)
-        iteration = bound["iteration"]
+        iteration = int(bound.get("iteration", args[0] if args else kwargs["iteration"]))
         directory = str(
             get_checkpoint_name(
                 megatron.save, iteration, release=bound.get("release", False), return_base_dir=True
