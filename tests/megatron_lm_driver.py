@@ -4,9 +4,9 @@ Runs ``examples/pretrain_gpt_megatron.py`` as ``__main__`` with the remaining ar
 this rank's row layout of every parameter (``MEGATRON_MUON_LAYOUT {name: [local_rows, rows]}``,
 from the DTensors Megatron-FSDP hands the optimizer), what optimizer the loop got
 (``MEGATRON_MUON_OPTIMIZER {"class": ..., "summary": [...]}``), the grad norm of every
-``optimizer.step()`` at full precision (``MEGATRON_MUON_GRAD_NORMS [...]``; the loop's log line
-rounds it to 3 decimals) and an end marker, so that a test can tell a rank that finished from one
-that hung.
+``optimizer.step()`` at full precision (``MEGATRON_MUON_GRAD_NORMS [...]``, also when the run
+stops with an error; the loop's log line rounds it to 3 decimals) and an end marker, so that a
+test can tell a rank that finished from one that hung.
 
 ``MEGATRON_MUON_FILE_SIZE_LIMIT=<rank>:<iteration>:<bytes>`` in the environment: from the checkpoint
 save at ``iteration`` on, that rank's process may write no file beyond ``bytes`` (``RLIMIT_FSIZE``,
@@ -100,7 +100,10 @@ def main() -> None:
     if FILE_SIZE_LIMIT_VARIABLE in os.environ:
         _limit_file_size_from_a_save(training)
     sys.argv = [str(EXAMPLE), *argv]
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    try:
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
+    finally:  # a run that stops with an error still shows the steps it took
+        print(GRAD_NORMS_MARKER + json.dumps(captured.get("grad_norms", [])), flush=True)
 
     layout: dict[str, list[int]] = {}
     for chunk in captured.get("model", []):
@@ -113,7 +116,6 @@ def main() -> None:
     }
     print(LAYOUT_MARKER + json.dumps(layout), flush=True)
     print(OPTIMIZER_MARKER + json.dumps(described), flush=True)
-    print(GRAD_NORMS_MARKER + json.dumps(captured.get("grad_norms", [])), flush=True)
     print(DONE_MARKER, flush=True)
 
 

@@ -8,7 +8,7 @@ optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
    on: ``tests/megatron_lm_driver.py``): both ranks stop with the one error naming the directory
    and the cause, the tracker still names iteration 4, no ``iter_0000008`` is left;
 2. a run with ``--load`` of that directory resumes from iteration 4 and repeats iterations 5 to 8
-   exactly (bitwise: the same losses and grad norms as printed);
+   exactly (the same grad norms at full precision, the same losses as printed);
 3. ``--load`` of a copy of iteration 4 with one bit flipped in a data file: every rank refuses it,
    naming the file, before training (stock Megatron loaded it silently).
 
@@ -114,6 +114,12 @@ def test_a_save_on_a_full_disk_stops_every_rank_with_one_error_and_publishes_not
 def test_the_next_run_resumes_from_the_previous_checkpoint_bitwise(runs: dict[str, Any]) -> None:
     full, resumed = runs["full"], runs["resumed"]
     assert sorted(resumed.iterations) == list(range(SAVE_INTERVAL + 1, TRAIN_ITERS + 1))
+    # Rank 0's grad norm of every step at full precision: iterations 1-8, then 5-12.
+    repeated = FULL_AT - SAVE_INTERVAL
+    assert (
+        len(full.grad_norms) == FULL_AT and len(resumed.grad_norms) == TRAIN_ITERS - SAVE_INTERVAL
+    )
+    assert resumed.grad_norms[:repeated] == full.grad_norms[SAVE_INTERVAL:FULL_AT]
     for iteration in range(SAVE_INTERVAL + 1, FULL_AT + 1):
         assert (
             resumed.iterations[iteration]["grad norm"] == full.iterations[iteration]["grad norm"]
