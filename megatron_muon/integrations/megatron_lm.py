@@ -5,9 +5,9 @@ the megatron-core wheel. Put ``install()`` at the top of that script (before it 
 and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
-What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
-megatron-core fixes 6 and 7):
+What ``install()`` patches, and why (six functions, each wrapped, none copied; 1 and 2 are in
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 8 in ``checkpoint_integrity``; plus
+the packaging fix 5 and the megatron-core fixes 6 and 7):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -61,6 +61,12 @@ megatron-core fixes 6 and 7):
    ``--transformer-impl local`` from building, GPU or not).
 7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
    rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
+8. ``save_checkpoint`` and ``load_checkpoint`` as ``megatron.training.training`` imported them,
+   for Muon with Megatron-FSDP and ``fsdp_dtensor`` (``checkpoint_integrity``): a save that
+   fails (a full disk) stops every rank with one error naming the directory and the cause and
+   removes the half-written directory; a finished save records each file's SHA-256; ``--load``
+   refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
+   anything loads. ``--async-save`` is refused in ``validate_args`` (2.).
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -91,7 +97,11 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
-from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations import (
+    checkpoint_integrity,
+    local_core_attention,
+    mla_tensor_parallel,
+)
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
@@ -155,6 +165,10 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
+    training.load_checkpoint = checkpoint_integrity.verifying_files_first(training.load_checkpoint)
+    training.save_checkpoint = checkpoint_integrity.saving_whole_or_refused(
+        training.save_checkpoint
+    )
     use_shipped_dataset_helpers()
     local_core_attention.patch()
     mla_tensor_parallel.install()

@@ -125,9 +125,32 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             args.optimizer = "muon"
         if result is not None:
             result.optimizer = "muon"
+        _refuse_async_save(args)
         return result
 
     return validate_args_accepting_muon
+
+
+def _refuse_async_save(args: argparse.Namespace) -> None:
+    """``--async-save`` with muon + Megatron-FSDP stops here, naming the flag.
+
+    Checked after Megatron's ``validate_args``, which turns ``--async-save`` off (with a warning)
+    unless ``--use-persistent-ckpt-worker`` is given. What is left would fail at the first save in
+    megatron-core 0.19.2 (measured, 2 CPU ranks, ``--async-strategy mcore``: "TypeError:
+    save_state_dict_async_plan() got an unexpected keyword argument 'enable_cache'", after the
+    checkpoint directory was created; the default ``nvrx`` strategy needs nvidia-resiliency-ext),
+    and ``checkpoint_integrity`` records and checks files that must be whole when
+    ``save_checkpoint`` returns.
+    """
+    if getattr(args, "async_save", False):
+        raise ValueError(
+            "--async-save with --optimizer muon --use-megatron-fsdp is not supported: "
+            "megatron-core 0.19.2's asynchronous fsdp_dtensor save fails at the first save "
+            "(--async-strategy mcore: save_state_dict_async_plan() gets an unexpected keyword "
+            "'enable_cache'; nvrx needs nvidia-resiliency-ext), and megatron-muon hashes each "
+            "checkpoint's files once they are written. Drop --async-save: saves are then "
+            "synchronous"
+        )
 
 
 def _take_over_qk_clip(args: argparse.Namespace) -> None:
