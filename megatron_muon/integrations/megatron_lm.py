@@ -6,8 +6,8 @@ and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
 What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
-megatron-core fixes 6 and 7):
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5, the
+megatron-core fixes 6 and 7 and the restart fix 8):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -61,6 +61,10 @@ megatron-core fixes 6 and 7):
    ``--transformer-impl local`` from building, GPU or not).
 7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
    rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
+8. ``megatron.training.initialize._initialize_distributed``: under ``torchrun --max-restarts``,
+   each attempt's process group on a store prefix of its own (``restart_store``: without it the
+   restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
+   stop in process-group setup). Any optimizer.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -91,7 +95,7 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
-from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations import local_core_attention, mla_tensor_parallel, restart_store
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
@@ -158,6 +162,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     use_shipped_dataset_helpers()
     local_core_attention.patch()
     mla_tensor_parallel.install()
+    restart_store.patch()
     _INSTALLED = True
 
 
