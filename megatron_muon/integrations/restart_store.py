@@ -21,7 +21,7 @@ attempt's id before rank 0 writes the new one and the communicators never form (
 NCCL timeout). Read from torch's code, not run (no GPU here).
 
 The fix: under torchrun's agent store, every attempt's default process group is created on
-``PrefixStore("megatron_muon/attempt_<TORCHELASTIC_RESTART_COUNT>/", <client of that store>)``, so
+``PrefixStore("megatron_muon/attempt_<TORCHELASTIC_RESTART_COUNT>", <client of that store>)``, so
 an attempt never reads another's keys (subgroups inherit the prefix from the default group's
 store). It applies on every attempt, the first too: one code path, which every torchrun launch
 exercises, rather than one taken only after a failure (attempt 0's keys differ from stock torch's
@@ -81,7 +81,7 @@ def attempt_store(timeout: timedelta = DEFAULT_TIMEOUT) -> dist.Store | None:
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"megatron_muon/attempt_{count}/", client)
+    return dist.PrefixStore(f"megatron_muon/attempt_{count}", client)
 
 
 def init_process_group(
