@@ -5,9 +5,9 @@ the megatron-core wheel. Put ``install()`` at the top of that script (before it 
 and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
 every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
 
-What ``install()`` patches, and why (six functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 8 in ``checkpoint_integrity``; plus
-the packaging fix 5 and the megatron-core fixes 6 and 7):
+What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 8 in ``checkpoint_integrity``, 9 in
+``restart_store``; plus the packaging fix 5 and the megatron-core fixes 6 and 7):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -67,6 +67,10 @@ the packaging fix 5 and the megatron-core fixes 6 and 7):
    removes the half-written directory; a finished save records each file's SHA-256; ``--load``
    refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
    anything loads. ``--async-save`` is refused in ``validate_args`` (2.).
+9. ``megatron.training.initialize._initialize_distributed``: under ``torchrun --max-restarts``,
+   each attempt's process group on a store prefix of its own (``restart_store``: without it the
+   restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
+   stop in process-group setup). Any optimizer.
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -101,6 +105,7 @@ from megatron_muon.integrations import (
     checkpoint_integrity,
     local_core_attention,
     mla_tensor_parallel,
+    restart_store,
 )
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
@@ -172,6 +177,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     use_shipped_dataset_helpers()
     local_core_attention.patch()
     mla_tensor_parallel.install()
+    restart_store.patch()
     _INSTALLED = True
 
 
