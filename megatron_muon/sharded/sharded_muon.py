@@ -24,7 +24,6 @@ parallelism meets the row shards: ``tensor_parallel``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,17 +35,14 @@ from torch.optim.optimizer import ParamsT
 from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
 from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT, ns_flops
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, local_tensor
+from megatron_muon.sharded.layout import local_tensor
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
-from megatron_muon.sharded.owner_pipeline import BucketRuntime
+from megatron_muon.sharded.optimizer_plan import OptimizerPlan
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
-from megatron_muon.sharded.qkv import qkv_split_shapes
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
 from megatron_muon.sharded.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
-    needs_tp_collectives,
     tp_group,
 )
 
@@ -54,56 +50,6 @@ __all__ = ["ShardedMuon", "StepStats"]
 
 # The megatron-muon keywords' defaults are MuonFsdpConfig's.
 _FSDP_DEFAULTS = MuonFsdpConfig()
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What ``step()`` keeps between steps: the params it was built for, their static plan (2-D
-    matrices), the positions of the 3-D expert params, and the runtime that runs the plan."""
-
-    params: list[torch.Tensor]
-    step_plan: StepPlan
-    experts: list[int]
-    runtime: BucketRuntime
-
-    @staticmethod
-    def build(muon: ShardedMuon, params: list[torch.Tensor]) -> _Plan:
-        """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
-
-        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
-        """
-        # Without torch.distributed (one process) every param is whole: DP size 1.
-        num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
-        check_same_params(params, muon.dp_group)
-        layouts = gather_row_layouts(params, muon.dp_group)
-        matrices = [
-            NSMatrix(
-                param=i,
-                layout=layouts[i],
-                qkv_split_shapes=qkv_split_shapes(
-                    param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
-                ),
-                tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
-            )
-            for i, param in enumerate(params)
-            if param.ndim == 2
-        ]
-        step_plan = plan_step(
-            matrices,
-            num_ranks,
-            muon.ns_config,
-            bucket_size_bytes=muon.bucket_size_bytes,
-            min_split_flops=muon.min_split_flops,
-            owner_buckets=muon.mode == "owner",
-        )
-        return _Plan(
-            params=params,
-            step_plan=step_plan,
-            experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(
-                step_plan, muon.mode, muon.dp_group, num_ranks, muon.overlap_buckets
-            ),
-        )
 
 
 class ShardedMuon(TensorParallelMuon):
@@ -249,7 +195,7 @@ class ShardedMuon(TensorParallelMuon):
         self.min_split_flops = min_split_flops
         self.step_stats = StepStats()
         self._offload = MomentumOffload()
-        self._plan: _Plan | None = None
+        self._plan: OptimizerPlan | None = None
         check_param_meshes(self._all_params(), dp_group, tp_mode, pg_collection)
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
@@ -373,7 +319,7 @@ class ShardedMuon(TensorParallelMuon):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _step_plan(self) -> _Plan:
+    def _step_plan(self) -> OptimizerPlan:
         """The plan of the current params: kept while they are the same tensors, else rebuilt."""
         params = self._all_params()
         plan = self._plan
@@ -382,7 +328,7 @@ class ShardedMuon(TensorParallelMuon):
             or len(plan.params) != len(params)
             or not all(a is b for a, b in zip(plan.params, params, strict=True))
         ):
-            plan = self._plan = _Plan.build(self, params)
+            plan = self._plan = OptimizerPlan.build(self, params)
         return plan
 
 

@@ -1,0 +1,87 @@
+"""What ``ShardedMuon.step()`` keeps between steps: its params' static plan and the runtime that
+runs it, built once (layouts, one all_gather) and kept while the params are the same tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon.common.options import FsdpModeT, TpModeT
+from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.layout import check_same_params, gather_row_layouts
+from megatron_muon.sharded.owner_pipeline import BucketRuntime
+from megatron_muon.sharded.qkv import qkv_split_shapes
+from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
+from megatron_muon.sharded.tensor_parallel import needs_tp_collectives
+
+__all__ = ["OptimizerPlan", "PlannedMuon"]
+
+
+class PlannedMuon(Protocol):
+    """What ``OptimizerPlan.build`` reads of the optimizer (``ShardedMuon``'s attributes)."""
+
+    dp_group: dist.ProcessGroup | None
+    split_qkv: bool
+    is_qkv_fn: Callable[[torch.Tensor], bool] | None
+    qkv_split_shapes: list[int] | None
+    tp_mode: TpModeT
+    pg_collection: Any
+    ns_config: NSConfig
+    mode: FsdpModeT
+    bucket_size_bytes: int | None
+    overlap_buckets: bool
+    min_split_flops: int
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerPlan:
+    """What ``step()`` keeps between steps: the params it was built for, their static plan (2-D
+    matrices), the positions of the 3-D expert params, and the runtime that runs the plan."""
+
+    params: list[torch.Tensor]
+    step_plan: StepPlan
+    experts: list[int]
+    runtime: BucketRuntime
+
+    @staticmethod
+    def build(muon: PlannedMuon, params: list[torch.Tensor]) -> OptimizerPlan:
+        """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
+
+        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
+        """
+        # Without torch.distributed (one process) every param is whole: DP size 1.
+        num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
+        check_same_params(params, muon.dp_group)
+        layouts = gather_row_layouts(params, muon.dp_group)
+        matrices = [
+            NSMatrix(
+                param=i,
+                layout=layouts[i],
+                qkv_split_shapes=qkv_split_shapes(
+                    param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
+                ),
+                tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
+            )
+            for i, param in enumerate(params)
+            if param.ndim == 2
+        ]
+        step_plan = plan_step(
+            matrices,
+            num_ranks,
+            muon.ns_config,
+            bucket_size_bytes=muon.bucket_size_bytes,
+            min_split_flops=muon.min_split_flops,
+            owner_buckets=muon.mode == "owner",
+        )
+        return OptimizerPlan(
+            params=params,
+            step_plan=step_plan,
+            experts=[i for i, p in enumerate(params) if p.ndim == 3],
+            runtime=BucketRuntime(
+                step_plan, muon.mode, muon.dp_group, num_ranks, muon.overlap_buckets
+            ),
+        )
