@@ -17,6 +17,7 @@ from megatron_muon.sharded.owner_pipeline import BucketRuntime
 from megatron_muon.sharded.qkv import qkv_split_shapes
 from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
 from megatron_muon.sharded.tensor_parallel import needs_tp_collectives
+from megatron_muon.sharded.tp_grid import GridLayouts, grid_ranks
 
 __all__ = ["OptimizerPlan", "PlannedMuon"]
 
@@ -51,12 +52,20 @@ class OptimizerPlan:
     def build(muon: PlannedMuon, params: list[torch.Tensor]) -> OptimizerPlan:
         """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
 
-        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
+        The plan's group is ``muon.dp_group``, or under tp_mode layer_sharded with TP-split
+        params the DP x TP grid (``tp_grid``). Collective over ``muon.dp_group`` (and the grid;
+        for split matrices, each split block's ranks).
         """
         # Without torch.distributed (one process) every param is whole: DP size 1.
         num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
         check_same_params(params, muon.dp_group)
         layouts = gather_row_layouts(params, muon.dp_group)
+        group, partitions = muon.dp_group, [(1, 0)] * len(params)
+        grid = grid_ranks(params, muon.dp_group) if muon.tp_mode == "layer_sharded" else None
+        if grid is not None:  # the owner pool is the DP x TP grid (tp_grid)
+            on_grid = GridLayouts.gather(params, muon.dp_group, layouts, grid)
+            group, num_ranks, layouts = on_grid.group, on_grid.size, on_grid.layouts
+            partitions = on_grid.partitions
         matrices = [
             NSMatrix(
                 param=i,
@@ -65,6 +74,8 @@ class OptimizerPlan:
                     param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
                 ),
                 tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
+                tp_partitions=partitions[i][0],
+                tp_partition_dim=partitions[i][1],
             )
             for i, param in enumerate(params)
             if param.ndim == 2
@@ -81,7 +92,5 @@ class OptimizerPlan:
             params=params,
             step_plan=step_plan,
             experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(
-                step_plan, muon.mode, muon.dp_group, num_ranks, muon.overlap_buckets
-            ),
+            runtime=BucketRuntime(step_plan, muon.mode, group, num_ranks, muon.overlap_buckets),
         )

@@ -33,18 +33,23 @@ from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
-from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT, ns_flops
+from megatron_muon.newton_schulz.cost_model import pieces_flops
+from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.layout import local_tensor
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
 from megatron_muon.sharded.optimizer_plan import OptimizerPlan
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
+from megatron_muon.sharded.qkv import qkv_pieces
+from megatron_muon.sharded.step_plan import NSMatrix
 from megatron_muon.sharded.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
+    stock_tp_mode,
     tp_group,
 )
+from megatron_muon.sharded.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
 
 __all__ = ["ShardedMuon", "StepStats"]
 
@@ -172,8 +177,9 @@ class ShardedMuon(TensorParallelMuon):
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             pg_collection=pg_collection,
-            tp_mode=tp_mode,
+            tp_mode=stock_tp_mode(tp_mode),
         )
+        self.tp_mode = tp_mode
         self.ns_config = NSConfig(
             num_ns_steps=num_ns_steps,
             coefficient_type=coefficient_type,
@@ -248,7 +254,7 @@ class ShardedMuon(TensorParallelMuon):
         runner = NSRunner(
             self.ns_config,
             self.step_stats,
-            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], full),
+            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], matrix, full),
         )
         experts = [i for i in plan.experts if i in inputs]
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
@@ -287,13 +293,31 @@ class ShardedMuon(TensorParallelMuon):
         local.add_(update, alpha=-group["lr"])
         self.post_weight_update_fn_inplace(local)
 
-    def _tp_orthogonalize(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """``TensorParallelMuon.orthogonalize`` of a DP-full, TP-partitioned matrix (TP
-        collectives over its TP group); counts the FLOPs each TP rank runs."""
-        result = self.orthogonalize(param, full)
-        copies = dist.get_world_size(tp_group(param, self.pg_collection))
-        flops = ns_flops(full.shape[0], full.shape[1], self.ns_config.num_ns_steps)
-        self.step_stats.ns_flops += flops * (copies if self.tp_mode == "duplicated" else 1)
+    def _tp_orthogonalize(
+        self, param: torch.Tensor, matrix: NSMatrix, full: torch.Tensor
+    ) -> torch.Tensor:
+        """``TensorParallelMuon``'s NS of a ``stock_ns`` matrix: under layer_sharded the stacked
+        TP partitions, unsplit here (``tp_grid``); else the DP-full TP partition through
+        ``orthogonalize`` (TP collectives over its TP group). Counts the FLOPs this rank runs:
+        the unsplit matrix's NS (duplicated, layer_sharded), or a TP rank's share (distributed).
+        """
+        count, dim = matrix.tp_partitions, matrix.tp_partition_dim
+        if count > 1:
+            unsplit = orthogonalize_unsplit(
+                lambda g: self.scaled_orthogonalize_fn(g, None, None),
+                join_partitions(full, count, dim),
+                matrix.qkv_split_shapes,
+            )
+            result, (rows, cols) = stack_partitions(unsplit, count, dim), matrix.ns_shape
+        else:
+            result = self.orthogonalize(param, full)
+            count = dist.get_world_size(tp_group(param, self.pg_collection))
+            # TensorParallelMuon joins the TP partitions along partition_dim (0 or 1).
+            shape = [*full.shape]
+            shape[param.partition_dim] *= count  # type: ignore[attr-defined]  # Megatron's attr
+            rows, cols = shape
+        flops = pieces_flops(qkv_pieces(rows, cols, matrix.qkv_split_shapes), self.ns_config)
+        self.step_stats.ns_flops += flops // count if self.tp_mode == "distributed" else flops
         return result
 
     def bring_momentum_back(self) -> None:
