@@ -163,4 +163,7 @@ def test_process_groups_that_do_not_match_the_dtensors_are_refused_at_build(dp2)
         "is split over tensor-parallel ranks [0, 1], but tp_mode='duplicated' would run its TP "
         "collectives over pg_collection.tp = ranks [0, 2]" in errors["tp is dp_cp"]
     )
-    assert "along dim 0, but its partition_dim is 1" in errors["qkv partition_dim 1"]
+    for mode in ("duplicated", "layer_sharded"):
+        error = errors[f"qkv partition_dim 1, {mode}"]
+        assert "along dim 0, but its partition_dim is 1" in error, error
+        assert f"tp_mode={mode!r} joins the TP blocks along partition_dim" in error, error

@@ -134,10 +134,11 @@ def _group_mismatch_errors() -> dict[str, str]:
         p for n, p in wrapped.named_parameters() if n.endswith("0.self_attention.linear_qkv.weight")
     )
     qkv.partition_dim = 1
-    try:
-        build_muon_optimizer(config, [wrapped])
-    except ValueError as error:
-        errors["qkv partition_dim 1"] = str(error)
+    for mode in ("duplicated", "layer_sharded"):
+        try:
+            build_muon_optimizer(gpt_parity.optimizer_config(muon_tp_mode=mode), [wrapped])
+        except ValueError as error:
+            errors[f"qkv partition_dim 1, {mode}"] = str(error)
     return errors
 
 
