@@ -167,3 +167,5 @@ def test_process_groups_that_do_not_match_the_dtensors_are_refused_at_build(dp2)
         error = errors[f"qkv partition_dim 1, {mode}"]
         assert "along dim 0, but its partition_dim is 1" in error, error
         assert f"tp_mode={mode!r} joins the TP blocks along partition_dim" in error, error
+        # Named by the factory: position and name in the Muon optimizer's params.
+        assert "layers.0.self_attention.linear_qkv.weight) of shape (128, 64)" in error, error

@@ -94,21 +94,28 @@ def check_param_meshes(
     dp_group: dist.ProcessGroup | None,
     tp_mode: TpModeT,
     pg_collection: Any,
+    names: Sequence[str | None] | None = None,
 ) -> None:
     """Each DTensor param's mesh matches ``dp_group`` (its rows) and, where tensor parallelism
-    splits it and ``tp_mode`` communicates, the TP group of ``TensorParallelMuon``. Metadata
-    only: no collective.
+    splits it and ``tp_mode`` communicates, the TP group of ``TensorParallelMuon``; a TP-split
+    param is one ``tp_mode`` can run on. Metadata only: no collective.
+
+    Args:
+        names: each param's name, where the caller knows it (the factory), for the message.
 
     Raises:
-        ValueError: naming the param, its placements and the group that disagrees.
+        ValueError: naming the param (position, name where given, shape), its placements and
+            the group that disagrees or what the mode cannot do.
     """
     dp_ranks = sorted(group_ranks(dp_group))
     for index, param in enumerate(params):
         if not isinstance(param, DTensor):
             continue
         axes = mesh_axes(param, dp_ranks)
+        name = f" ({names[index]})" if names is not None and names[index] else ""
         where = (
-            f"param {index} of shape {tuple(param.shape)} (placements {tuple(param.placements)})"
+            f"param {index}{name} of shape {tuple(param.shape)} "
+            f"(placements {tuple(param.placements)})"
         )
         if sorted(axes.data_parallel_ranks) != dp_ranks:
             raise ValueError(
