@@ -115,10 +115,13 @@ def test_our_copies_of_megatron_lms_muon_flags_equal_megatrons():
     from megatron.training.arguments import add_megatron_arguments
 
     from megatron_muon.fsdp.arguments import add_muon_args
+    from megatron_muon.integrations.megatron_lm_arguments import extra_args_provider
 
     ours = add_muon_args(argparse.ArgumentParser())._option_string_actions
-    megatron = add_megatron_arguments(argparse.ArgumentParser())._option_string_actions
-    copied = [o for o in ours if o.startswith("--muon-") and o in megatron]
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    stock = set(parser._option_string_actions)
+    megatron = extra_args_provider(parser)._option_string_actions  # Megatron's, as install() has it
+    copied = [o for o in ours if o.startswith("--muon-") and o in stock]
     assert len(copied) == 10  # --muon-momentum ... --muon-scalar-optimizer
     for option in copied:
         mine, theirs = ours[option], megatron[option]
@@ -127,6 +130,23 @@ def test_our_copies_of_megatron_lms_muon_flags_equal_megatrons():
         assert mine.nargs == theirs.nargs
         assert type(mine) is type(theirs), option
     assert set(ours["--optimizer"].choices) <= set(megatron["--optimizer"].choices)
+
+
+def test_megatrons_muon_tp_mode_takes_layer_sharded_which_stock_muon_is_refused():
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_muon.integrations.megatron_lm_arguments import (
+        _refuse_our_tp_modes_for_stock_muon,
+        extra_args_provider,
+    )
+
+    parser = extra_args_provider(add_megatron_arguments(argparse.ArgumentParser()))
+    args = parser.parse_args(["--optimizer", "muon", "--muon-tp-mode", "layer_sharded"])
+    assert args.muon_tp_mode == "layer_sharded"
+    # Muon without --use-megatron-fsdp is megatron-core's TensorParallelMuon: refused by name.
+    with pytest.raises(ValueError, match="--muon-tp-mode layer_sharded runs in megatron-muon"):
+        _refuse_our_tp_modes_for_stock_muon(args)
+    _refuse_our_tp_modes_for_stock_muon(parser.parse_args(["--muon-tp-mode", "duplicated"]))
 
 
 def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():

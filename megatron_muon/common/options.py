@@ -25,8 +25,11 @@ __all__ = [
 
 # Where Newton-Schulz runs on Megatron-FSDP's row shards (``--muon-fsdp-mode``).
 FsdpModeT = Literal["owner", "gather"]
-# How TensorParallelMuon treats a tensor-parallel matrix (``--muon-tp-mode``).
-TpModeT = Literal["blockwise", "duplicated", "distributed"]
+# How a tensor-parallel matrix is orthogonalized (``--muon-tp-mode``): TensorParallelMuon's three
+# modes, and "layer_sharded" (megatron-muon's; Megatron-LM's name from its open PR): each unsplit
+# matrix orthogonalized once over the whole DP x TP grid (``sharded.tp_grid``), never given to
+# TensorParallelMuon.
+TpModeT = Literal["blockwise", "duplicated", "distributed", "layer_sharded"]
 # Muon's update scale (``--muon-scale-mode``; emerging-optimizers' ``get_muon_scale_factor``).
 MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 # The optimizer of the params Muon does not take (``--muon-scalar-optimizer``).

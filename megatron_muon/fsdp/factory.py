@@ -61,6 +61,7 @@ from megatron_muon.fsdp.routing import (
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.tensor_parallel import check_param_meshes
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 
@@ -277,6 +278,11 @@ def _muon_optimizer(
 ) -> tuple[FP32Optimizer, str]:
     """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
     dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
+    # Refused here naming the param (ShardedMuon's own check knows positions and shapes only).
+    params = [p for group in groups for p in group["params"]]
+    names = {id(p): n for module in fsdp_modules for n, p in module.named_parameters()}
+    tp_mode = muon_config.tp_mode
+    check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
     muon = _MUON_OPTIMIZERS[config.optimizer](
         groups,
         lr=config.lr,

@@ -6,10 +6,11 @@ and 2) and in each function's below.
 
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
-  works.
+  works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
 - ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon with Megatron-FSDP gets past the two
   refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is
-  taken over, HSDP turns ``--overlap-grad-reduce`` on and the Muon flags' values are checked.
+  taken over, HSDP turns ``--overlap-grad-reduce`` on and the Muon flags' values are checked;
+  Muon without Megatron-FSDP (stock ``TensorParallelMuon``) is refused ``layer_sharded``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import argparse
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
+from megatron_muon.common.options import TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
 
 __all__ = [
@@ -31,15 +33,28 @@ __all__ = [
 ]
 
 
+# megatron-core 0.19.2's --muon-tp-mode choices (what its TensorParallelMuon knows); ours beyond.
+_STOCK_TP_MODES = ("blockwise", "duplicated", "distributed")
+_OUR_TP_MODES = tuple(mode for mode in get_args(TpModeT) if mode not in _STOCK_TP_MODES)
+
 # --------------------------------------------------------------------------------------------------
 # 1. flags
 # --------------------------------------------------------------------------------------------------
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser)."""
+    """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser), and
+    widening Megatron's own ``--muon-tp-mode`` choices to ours (``TpModeT``: megatron-core
+    0.19.2 lists blockwise, duplicated, distributed; ``layer_sharded`` runs in ``ShardedMuon``
+    only, which ``accepting_muon_with_fsdp`` makes sure of)."""
     from megatron_muon.fsdp.arguments import add_muon_args
 
+    tp_mode = parser._option_string_actions.get("--muon-tp-mode")
+    if tp_mode is not None and tp_mode.choices is not None:
+        tp_mode.choices = [
+            *tp_mode.choices,
+            *(c for c in _OUR_TP_MODES if c not in tp_mode.choices),
+        ]
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
     return add_muon_args(parser)
@@ -98,6 +113,7 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
     @functools.wraps(validate_args)
     def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
         if not muon_meets_megatron_fsdp(args):
+            _refuse_our_tp_modes_for_stock_muon(args)
             return validate_args(args, *rest, **kwargs)
         if getattr(args, "fp16", False):
             # Refused here, before any process group exists, rather than at optimizer build.
@@ -150,6 +166,19 @@ def _refuse_async_save(args: argparse.Namespace) -> None:
             "'enable_cache'; nvrx needs nvidia-resiliency-ext), and megatron-muon hashes each "
             "checkpoint's files once they are written. Drop --async-save: saves are then "
             "synchronous"
+        )
+
+
+def _refuse_our_tp_modes_for_stock_muon(args: argparse.Namespace) -> None:
+    """A ``--muon-tp-mode`` megatron-core's ``TensorParallelMuon`` does not know (widened into
+    the choices by ``extra_args_provider``) is refused where stock Muon would get it: Muon
+    without ``--use-megatron-fsdp``."""
+    mode = getattr(args, "muon_tp_mode", None)
+    if getattr(args, "optimizer", None) == "muon" and mode in _OUR_TP_MODES:
+        raise ValueError(
+            f"--muon-tp-mode {mode} runs in megatron-muon's ShardedMuon, with "
+            "--use-megatron-fsdp; megatron-core's TensorParallelMuon (Muon without it) knows "
+            f"{', '.join(_STOCK_TP_MODES)}"
         )
 
 

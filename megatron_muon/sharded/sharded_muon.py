@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -34,21 +34,22 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.newton_schulz.methods import ns_flops
+from megatron_muon.newton_schulz.cost_model import pieces_flops
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, local_tensor
+from megatron_muon.sharded.layout import local_tensor
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
-from megatron_muon.sharded.owner_pipeline import BucketRuntime
+from megatron_muon.sharded.optimizer_plan import OptimizerPlan
 from megatron_muon.sharded.planner import OwnerPlan
-from megatron_muon.sharded.qkv import qkv_split_shapes
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
+from megatron_muon.sharded.qkv import qkv_pieces
+from megatron_muon.sharded.step_plan import NSMatrix
 from megatron_muon.sharded.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
-    needs_tp_collectives,
+    stock_tp_mode,
     tp_group,
 )
+from megatron_muon.sharded.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
 
 __all__ = ["ShardedMuon", "StepStats"]
 
@@ -60,57 +61,6 @@ _TENSOR_PARALLEL_MUON_DEFAULTS = {
     for name, parameter in inspect.signature(TensorParallelMuon.__init__).parameters.items()
     if name in _MUON_FIELDS
 }
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What ``step()`` keeps between steps: the params it was built for, their static plan (2-D
-    matrices), the positions of the 3-D expert params, and the runtime that runs the plan."""
-
-    params: list[torch.Tensor]
-    step_plan: StepPlan
-    experts: list[int]
-    runtime: BucketRuntime
-
-    @staticmethod
-    def build(muon: ShardedMuon, params: list[torch.Tensor]) -> _Plan:
-        """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
-
-        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
-        """
-        # Without torch.distributed (one process) every param is whole: DP size 1.
-        fsdp = muon.fsdp_config
-        num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
-        check_same_params(params, muon.dp_group)
-        layouts = gather_row_layouts(params, muon.dp_group)
-        matrices = [
-            NSMatrix(
-                param=i,
-                layout=layouts[i],
-                qkv_split_shapes=qkv_split_shapes(
-                    param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
-                ),
-                tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
-            )
-            for i, param in enumerate(params)
-            if param.ndim == 2
-        ]
-        step_plan = plan_step(
-            matrices,
-            num_ranks,
-            muon.ns_config,
-            bucket_size_bytes=fsdp.bucket_size_bytes,
-            min_split_flops=fsdp.min_split_flops,
-            owner_buckets=fsdp.mode == "owner",
-        )
-        return _Plan(
-            params=params,
-            step_plan=step_plan,
-            experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(
-                step_plan, fsdp.mode, muon.dp_group, num_ranks, fsdp.overlap_buckets
-            ),
-        )
 
 
 class ShardedMuon(TensorParallelMuon):
@@ -187,14 +137,17 @@ class ShardedMuon(TensorParallelMuon):
             is_qkv_fn=is_qkv_fn,
             qkv_split_shapes=qkv_split_shapes,
             pg_collection=pg_collection,
-            **muon.tensor_parallel_muon_kwargs(),
+            # Stock TensorParallelMuon knows blockwise/duplicated/distributed only: layer_sharded
+            # runs its NS as duplicated does, on the unsplit matrix (tp_grid).
+            **{**muon.tensor_parallel_muon_kwargs(), "tp_mode": stock_tp_mode(muon.tp_mode)},
         )
+        self.tp_mode = muon.tp_mode
         self.muon_config = muon
         self.fsdp_config = fsdp
         self.dp_group = dp_group
         self.step_stats = StepStats()
         self._offload = MomentumOffload()
-        self._plan: _Plan | None = None
+        self._plan: OptimizerPlan | None = None
         check_param_meshes(self._all_params(), dp_group, muon.tp_mode, pg_collection)
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
@@ -272,7 +225,7 @@ class ShardedMuon(TensorParallelMuon):
         runner = NSRunner(
             self.ns_config,
             self.step_stats,
-            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], full),
+            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], matrix, full),
         )
         experts = [i for i in plan.experts if i in inputs]
         with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
@@ -311,13 +264,31 @@ class ShardedMuon(TensorParallelMuon):
         local.add_(update, alpha=-group["lr"])
         self.post_weight_update_fn_inplace(local)
 
-    def _tp_orthogonalize(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """``TensorParallelMuon.orthogonalize`` of a DP-full, TP-partitioned matrix (TP
-        collectives over its TP group); counts the FLOPs each TP rank runs."""
-        result = self.orthogonalize(param, full)
-        copies = dist.get_world_size(tp_group(param, self.pg_collection))
-        flops = ns_flops(full.shape[0], full.shape[1], self.ns_config.num_ns_steps)
-        self.step_stats.ns_flops += flops * (copies if self.tp_mode == "duplicated" else 1)
+    def _tp_orthogonalize(
+        self, param: torch.Tensor, matrix: NSMatrix, full: torch.Tensor
+    ) -> torch.Tensor:
+        """``TensorParallelMuon``'s NS of a ``stock_ns`` matrix: under layer_sharded the stacked
+        TP partitions, unsplit here (``tp_grid``); else the DP-full TP partition through
+        ``orthogonalize`` (TP collectives over its TP group). Counts the FLOPs this rank runs:
+        the unsplit matrix's NS (duplicated, layer_sharded), or a TP rank's share (distributed).
+        """
+        count, dim = matrix.tp_partitions, matrix.tp_partition_dim
+        if count > 1:
+            unsplit = orthogonalize_unsplit(
+                lambda g: self.scaled_orthogonalize_fn(g, None, None),
+                join_partitions(full, count, dim),
+                matrix.qkv_split_shapes,
+            )
+            result, (rows, cols) = stack_partitions(unsplit, count, dim), matrix.ns_shape
+        else:
+            result = self.orthogonalize(param, full)
+            count = dist.get_world_size(tp_group(param, self.pg_collection))
+            # TensorParallelMuon joins the TP partitions along partition_dim (0 or 1).
+            shape = [*full.shape]
+            shape[param.partition_dim] *= count  # type: ignore[attr-defined]  # Megatron's attr
+            rows, cols = shape
+        flops = pieces_flops(qkv_pieces(rows, cols, matrix.qkv_split_shapes), self.ns_config)
+        self.step_stats.ns_flops += flops // count if self.tp_mode == "distributed" else flops
         return result
 
     def bring_momentum_back(self) -> None:
@@ -343,7 +314,7 @@ class ShardedMuon(TensorParallelMuon):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _step_plan(self) -> _Plan:
+    def _step_plan(self) -> OptimizerPlan:
         """The plan of the current params: kept while they are the same tensors, else rebuilt."""
         params = self._all_params()
         plan = self._plan
@@ -352,7 +323,7 @@ class ShardedMuon(TensorParallelMuon):
             or len(plan.params) != len(params)
             or not all(a is b for a, b in zip(plan.params, params, strict=True))
         ):
-            plan = self._plan = _Plan.build(self, params)
+            plan = self._plan = OptimizerPlan.build(self, params)
         return plan
 
 
