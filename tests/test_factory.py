@@ -183,7 +183,7 @@ def test_fp16_with_muon_is_refused():
     from megatron_muon import build_muon_optimizer
 
     config = gpt_parity.optimizer_config(fp16=True)
-    with pytest.raises(ValueError, match="Muon with fp16 is not supported"):
+    with pytest.raises(ValueError, match="muon with fp16 is not supported"):
         build_muon_optimizer(config, [torch.nn.Linear(2, 2)])
 
 
