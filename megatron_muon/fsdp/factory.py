@@ -33,23 +33,21 @@ which rank holds rows, and a zero-grad step would apply weight decay.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 import torch
-from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
 from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
+from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
 from megatron_muon.fsdp.process_groups import (
     describe_groups,
     resolve_pg_collection,
@@ -280,7 +278,7 @@ def _sub_optimizers(
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:
-            optimizer, init_state_fn = _scalar_optimizer(config, chunks, groups, name)
+            optimizer, init_state_fn = megatron_core_optimizer(config, chunks, groups, name)
             optimizers.append(_wrap(optimizer, config, init_state_fn, pg_collection))
             summary.append(
                 f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[name]}: {_count(groups)}, "
@@ -346,44 +344,6 @@ def _qk_clip(
     group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)
-
-
-def _scalar_optimizer(
-    config: OptimizerConfig, chunks: list[torch.nn.Module], groups: list[dict], name: str
-) -> tuple[torch.optim.Optimizer, Callable]:
-    """megatron-core's AdamW / Lion over ``groups`` (its standard path, elementwise on the row
-    shards as they are), with state created for every param now."""
-    scalar_config = copy.copy(config)
-    scalar_config.optimizer = name
-    scalar_config.use_distributed_optimizer = False
-    optimizer, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
-        config=scalar_config,
-        model_chunks=chunks,
-        param_groups=groups,
-        skip_megatron_wrapping=True,
-    )
-    _foreach_on_every_device(optimizer)
-    if creates_state(optimizer):
-        # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
-        # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
-        create_state(optimizer)
-    else:  # Transformer Engine's / Apex's FusedAdam: megatron-core's own checkpoint-load init
-        init_state_fn(optimizer, config)
-    return optimizer, init_state_fn
-
-
-def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
-    """torch's Adam / AdamW steps every param at once (``foreach``) where the group leaves it unset.
-
-    torch chooses that path only when every param is on a GPU; on CPU it loops over the params, and
-    each op of the loop on Megatron-FSDP's DTensor main weights pays DTensor dispatch (measured on
-    CPU, 69 params: 97 against 53 ms per step). Same arithmetic either way.
-    """
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return
-    for group in optimizer.param_groups:
-        if group.get("foreach") is None:
-            group["foreach"] = True
 
 
 def _wrap(

@@ -1,0 +1,59 @@
+"""megatron-core's own elementwise optimizers (AdamW, Lion) over Megatron-FSDP's row shards.
+
+Their updates are elementwise, so megatron-core's classes run on each rank's row shards (DTensor
+``Shard(0)`` main params, uneven or empty) as they are; what this adds is state for every param on
+every rank at build time (a rank holding no rows of a param has ``grad is None`` there and the
+optimizer would never create it; ``fsdp_dtensor`` checkpoints then hang) and torch's ``foreach``
+path on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
+
+__all__ = ["megatron_core_optimizer"]
+
+
+def megatron_core_optimizer(
+    config: OptimizerConfig, chunks: list[torch.nn.Module], groups: list[dict], name: str
+) -> tuple[torch.optim.Optimizer, Callable]:
+    """megatron-core's AdamW / Lion over ``groups`` (its standard path, elementwise on the row
+    shards as they are), with state created for every param now."""
+    scalar_config = copy.copy(config)
+    scalar_config.optimizer = name
+    scalar_config.use_distributed_optimizer = False
+    optimizer, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
+        config=scalar_config,
+        model_chunks=chunks,
+        param_groups=groups,
+        skip_megatron_wrapping=True,
+    )
+    _foreach_on_every_device(optimizer)
+    if creates_state(optimizer):
+        # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
+        # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
+        create_state(optimizer)
+    else:  # Transformer Engine's / Apex's FusedAdam: megatron-core's own checkpoint-load init
+        init_state_fn(optimizer, config)
+    return optimizer, init_state_fn
+
+
+def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
+    """torch's Adam / AdamW steps every param at once (``foreach``) where the group leaves it unset.
+
+    torch chooses that path only when every param is on a GPU; on CPU it loops over the params, and
+    each op of the loop on Megatron-FSDP's DTensor main weights pays DTensor dispatch (measured on
+    CPU, 69 params: 97 against 53 ms per step). Same arithmetic either way.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None:
+            group["foreach"] = True
