@@ -4,19 +4,17 @@ Their updates are elementwise, so megatron-core's classes run on each rank's row
 ``Shard(0)`` main params, uneven or empty) as they are; what this adds is state for every param on
 every rank at build time (a rank holding no rows of a param has ``grad is None`` there and the
 optimizer would never create it; ``fsdp_dtensor`` checkpoints then hang), torch's ``foreach``
-path on CPU, and Lion's step without the params whose row shard is empty on this rank
-(``_skipping_empty_shards``).
+path on CPU, and Lion's step on each param's local rows (``_stepping_local_rows``).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from emerging_optimizers.scalar_optimizers import Lion
+from emerging_optimizers.scalar_optimizers.update_functions import calculate_lion_update
 from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
@@ -42,7 +40,7 @@ def megatron_core_optimizer(
     )
     _foreach_on_every_device(optimizer)
     if isinstance(optimizer, Lion):
-        _skipping_empty_shards(optimizer)
+        _stepping_local_rows(optimizer)
     if creates_state(optimizer):
         # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
         # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
@@ -66,32 +64,38 @@ def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
             group["foreach"] = True
 
 
-def _skipping_empty_shards(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step`` leaves out the params whose grad has no elements on this rank.
+def _stepping_local_rows(optimizer: Lion) -> None:
+    """``optimizer.step`` runs emerging-optimizers' Lion on each param's local rows.
 
-    emerging-optimizers' Lion runs its update through ``torch.compile``; on a DTensor grad whose
-    row shard is empty on this rank (Megatron-FSDP's ``optim_grads`` / ``optim_grads_params``
-    hand one where a rank holds no rows of a param) the compiled CPU kernel crashed the process
-    (SIGSEGV, measured with megatron-core 0.19.2 / torch of this stack, tiny GPT at DP=2). Such
-    a param has nothing to update on this rank: its grad is hidden for the step (as a rank
-    without the param's rows under the other strategies has ``grad is None``) and put back.
+    Lion's update (``calculate_lion_update``) is ``torch.compile``'d. Called on Megatron-FSDP's
+    DTensor shards, its guards see the DTensor (global shape, placements) while the kernel runs
+    on the local rows, whose size differs between params of one global shape when shards are
+    uneven: measured (megatron-core 0.19.2, tiny GPT at DP=2, ``optim_grads`` /
+    ``optim_grads_params``) ``AssertionError: expected size 120==48`` and, on an empty shard,
+    SIGSEGV. Here each step is ``Lion.step``'s own sequence (decoupled weight decay by the
+    optimizer's ``_apply_weight_decay_inplace``, then ``calculate_lion_update``, then
+    ``p -= lr * update``) on plain local tensors (``local_tensor``), which the compiled function
+    guards on correctly; a param with no rows on this rank is left out (nothing to update; its
+    state exists all the same). Elementwise, so the same arithmetic per element.
     """
-    step = optimizer.step
 
-    @functools.wraps(step)
-    def step_on_held_rows(*args: Any, **kwargs: Any) -> Any:
-        hidden = {
-            param: param.grad
-            for group in optimizer.param_groups
-            for param in group["params"]
-            if param.grad is not None and local_tensor(param.grad).numel() == 0
-        }
-        for param in hidden:
-            param.grad = None
-        try:
-            return step(*args, **kwargs)
-        finally:
-            for param, grad in hidden.items():
-                param.grad = grad
+    @torch.no_grad()
+    def step_on_local_rows(closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        for group in optimizer.param_groups:
+            optimizer._init_group(group)
+            lr, weight_decay = group["lr"], group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = local_tensor(param.grad)
+                if grad.numel() == 0:
+                    continue
+                rows = local_tensor(param.data)
+                exp_avg = local_tensor(optimizer.state[param]["exp_avg"])
+                optimizer._apply_weight_decay_inplace(rows, grad, lr, weight_decay)
+                update = calculate_lion_update(grad, exp_avg, betas=group["betas"])
+                rows.add_(update, alpha=-lr)
 
-    optimizer.step = step_on_held_rows  # type: ignore[method-assign]
+    optimizer.step = step_on_local_rows
