@@ -175,7 +175,9 @@ def test_summary_line_per_optimizer_names_counts_strategy_and_mode(mcore_results
 def test_unknown_optimizer_name_is_refused_with_the_known_names():
     from megatron_muon import build_muon_optimizer
 
-    with pytest.raises(ValueError, match=r"builds optimizer\(s\) \['muon'\].*optimizer='soap'"):
+    with pytest.raises(
+        ValueError, match=r"builds optimizer\(s\) \['lion', 'muon'\].*optimizer='soap'"
+    ):
         build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
 
 
@@ -183,7 +185,7 @@ def test_fp16_with_muon_is_refused():
     from megatron_muon import build_muon_optimizer
 
     config = gpt_parity.optimizer_config(fp16=True)
-    with pytest.raises(ValueError, match="Muon with fp16 is not supported"):
+    with pytest.raises(ValueError, match="muon with fp16 is not supported"):
         build_muon_optimizer(config, [torch.nn.Linear(2, 2)])
 
 

@@ -32,6 +32,7 @@ LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 
+MEGATRON_FSDP_FLAGS = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 # The flags every test run shares: 2 gloo CPU ranks, the local (non-TE) GPT spec, no CUDA fusions,
 # no dropout, a tiny GPT (2 layers, hidden 64) on mock data, one log line per iteration.
 TINY_GPT_CPU_FLAGS = [
@@ -44,7 +45,7 @@ TINY_GPT_CPU_FLAGS = [
     *("--hidden-dropout 0 --attention-dropout 0 --seed 1234").split(),
     *("--mock-data --tokenizer-type NullTokenizer --vocab-size 128").split(),
     *("--log-interval 1 --eval-iters 0 --eval-interval 1000 --lr-decay-style constant").split(),
-    *("--use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
+    *MEGATRON_FSDP_FLAGS,
 ]
 
 # Muon in the loop tests: fp32 Newton-Schulz matmuls (tests/test_megatron_lm_loop.py says why).
@@ -166,6 +167,7 @@ def run_megatron(
     entry: list[str] | None = None,
     entry_prints_done_marker: bool = False,
     check: bool = True,
+    megatron_fsdp: bool = True,
 ) -> MegatronRun:
     """Runs the example under torchrun on ``nproc`` CPU ranks and parses what the loop printed.
 
@@ -178,11 +180,16 @@ def run_megatron(
             ``entry_prints_done_marker``).
         check: ``False`` returns a run that exits non-zero (``returncode``) instead of raising
             ``TorchrunFailure``; a timeout still raises.
+        megatron_fsdp: ``False`` leaves ``MEGATRON_FSDP_FLAGS`` out of ``TINY_GPT_CPU_FLAGS``
+            (Megatron's own DDP and checkpoint format: a stock reference).
     """
     wait_for_marker = entry is None or entry_prints_done_marker
     require_multirank_marker(f"torchrun with {nproc} ranks")
+    common = (
+        TINY_GPT_CPU_FLAGS if megatron_fsdp else TINY_GPT_CPU_FLAGS[: -len(MEGATRON_FSDP_FLAGS)]
+    )
     target = (
-        [str(DRIVER), *([] if install else ["--no-megatron-muon-install"]), *TINY_GPT_CPU_FLAGS]
+        [str(DRIVER), *([] if install else ["--no-megatron-muon-install"]), *common]
         if entry is None
         else list(entry)
     )

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 __all__ = [
     "FsdpModeT",
+    "FsdpOptimizerT",
     "GramHalfDtypeT",
     "MegatronMatmulPrecT",
     "MegatronOptimizerT",
@@ -39,7 +40,10 @@ GramHalfDtypeT = Literal["float16", "bfloat16"]
 # Megatron-LM's --muon-fp32-matmul-prec values (``ShardedMuon`` also takes torch's "highest").
 MegatronMatmulPrecT = Literal["low", "medium", "high"]
 # The --optimizer values our copy of Megatron-LM's flag offers (megatron-core 0.19.2 lists more).
-MegatronOptimizerT = Literal["adam", "sgd", "muon"]
+MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
+# The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
+# (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
+FsdpOptimizerT = Literal["muon", "lion"]
 
 
 def check_choice(name: str, value: Any, alias: Any) -> None:

@@ -1,4 +1,4 @@
-"""Megatron-LM's arguments for ``--optimizer muon --use-megatron-fsdp``: two patched functions.
+"""Megatron-LM's arguments for ``--optimizer muon|lion --use-megatron-fsdp``: two patched functions.
 
 ``megatron_muon.integrations.megatron_lm.install()`` applies both, under its megatron-core version
 check (``SUPPORTED_MEGATRON_CORE``); what each does and why is in that module's docstring (items 1
@@ -7,10 +7,12 @@ and 2) and in each function's below.
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
   works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
-- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon with Megatron-FSDP gets past the two
-  refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is
-  taken over, HSDP turns ``--overlap-grad-reduce`` on and the Muon flags' values are checked;
-  Muon without Megatron-FSDP (stock ``TensorParallelMuon``) is refused ``layer_sharded``.
+- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon or Lion (``FsdpOptimizerT``) with
+  Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16``
+  is refused, ``--qk-clip`` is taken over, HSDP turns ``--overlap-grad-reduce`` on and (Muon) the
+  Muon flags' values are checked; ``--async-save`` is refused. The emerging optimizers not run on
+  Megatron-FSDP yet (``NOT_YET_ON_MEGATRON_FSDP``) are refused by name; Muon without
+  Megatron-FSDP (stock ``TensorParallelMuon``) is refused ``layer_sharded``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any, get_args
 
-from megatron_muon.common.options import TpModeT
+from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "with_muon_args",
     "muon_meets_megatron_fsdp",
     "accepting_muon_with_fsdp",
+    "NOT_YET_ON_MEGATRON_FSDP",
 ]
 
 
@@ -102,9 +105,19 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 # --------------------------------------------------------------------------------------------------
 
 
+# Megatron's emerging optimizers that megatron-muon does not run on Megatron-FSDP yet: refused by
+# name at validate_args (stock megatron-core refuses every emerging optimizer there, unnamed).
+NOT_YET_ON_MEGATRON_FSDP: dict[str, str] = {
+    "soap": "SOAP keeps whole-matrix Kronecker factors and eigenbases per matrix",
+    # adaptive_muon: added by its own change (AdaMuon / NorMuon / NAMO on row shards).
+    "adaptive_muon": "its second moment is not built on row shards yet",
+}
+
+
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
-    """True for the one combination this integration takes over: Muon with Megatron-FSDP."""
-    return getattr(args, "optimizer", None) == "muon" and bool(
+    """True for the combinations this integration takes over: an optimizer megatron-muon builds
+    for Megatron-FSDP (``FsdpOptimizerT``: muon, lion) with ``--use-megatron-fsdp``."""
+    return getattr(args, "optimizer", None) in get_args(FsdpOptimizerT) and bool(
         getattr(args, "use_megatron_fsdp", False)
     )
 
@@ -112,35 +125,38 @@ def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
 def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) -> Callable:
     @functools.wraps(validate_args)
     def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+        _refuse_not_yet_supported(args)
         if not muon_meets_megatron_fsdp(args):
             _refuse_our_tp_modes_for_stock_muon(args)
             return validate_args(args, *rest, **kwargs)
+        name = args.optimizer
         if getattr(args, "fp16", False):
             # Refused here, before any process group exists, rather than at optimizer build.
             raise ValueError(
-                "--optimizer muon with --use-megatron-fsdp does not support --fp16 (as in "
+                f"--optimizer {name} with --use-megatron-fsdp does not support --fp16 (as in "
                 "megatron-core): use --bf16 or fp32"
             )
         _take_over_qk_clip(args)
         _reduce_grads_across_hsdp_replicas(args)
-        check_muon_args(args)  # a bad value stops here, naming its flag
+        if name == "muon":
+            check_muon_args(args)  # a bad value stops here, naming its flag
         print_args = arguments._print_args
 
-        def print_with_muon(title: str, printed: argparse.Namespace) -> None:
-            printed.optimizer = "muon"
+        def print_with_name(title: str, printed: argparse.Namespace) -> None:
+            printed.optimizer = name
             print_args(title, printed)
 
-        # The two refusals test args.optimizer; with "adam" in its place they pass, and Muon's
-        # name is back before validate_args prints and returns the arguments.
+        # The two refusals test args.optimizer; with "adam" in its place they pass, and the
+        # optimizer's name is back before validate_args prints and returns the arguments.
         args.optimizer = "adam"
-        arguments._print_args = print_with_muon
+        arguments._print_args = print_with_name
         try:
             result = validate_args(args, *rest, **kwargs)
         finally:
             arguments._print_args = print_args
-            args.optimizer = "muon"
+            args.optimizer = name
         if result is not None:
-            result.optimizer = "muon"
+            result.optimizer = name
         _refuse_async_save(args)
         return result
 
@@ -160,7 +176,7 @@ def _refuse_async_save(args: argparse.Namespace) -> None:
     """
     if getattr(args, "async_save", False):
         raise ValueError(
-            "--async-save with --optimizer muon --use-megatron-fsdp is not supported: "
+            f"--async-save with --optimizer {args.optimizer} --use-megatron-fsdp is not supported: "
             "megatron-core 0.19.2's asynchronous fsdp_dtensor save fails at the first save "
             "(--async-strategy mcore: save_state_dict_async_plan() gets an unexpected keyword "
             "'enable_cache'; nvrx needs nvidia-resiliency-ext), and megatron-muon hashes each "
@@ -179,6 +195,18 @@ def _refuse_our_tp_modes_for_stock_muon(args: argparse.Namespace) -> None:
             f"--muon-tp-mode {mode} runs in megatron-muon's ShardedMuon, with "
             "--use-megatron-fsdp; megatron-core's TensorParallelMuon (Muon without it) knows "
             f"{', '.join(_STOCK_TP_MODES)}"
+        )
+
+
+def _refuse_not_yet_supported(args: argparse.Namespace) -> None:
+    """``--optimizer`` of ``NOT_YET_ON_MEGATRON_FSDP`` with ``--use-megatron-fsdp``: a
+    ``ValueError`` naming it (and why), before megatron-core's unnamed assertion."""
+    name = getattr(args, "optimizer", None)
+    if name in NOT_YET_ON_MEGATRON_FSDP and getattr(args, "use_megatron_fsdp", False):
+        raise ValueError(
+            f"--optimizer {name} with --use-megatron-fsdp is not supported by megatron-muon yet "
+            f"({NOT_YET_ON_MEGATRON_FSDP[name]}); supported there: "
+            f"{', '.join(get_args(FsdpOptimizerT))}"
         )
 
 
