@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.bucket_schedule import bucket_by_schedule, bucket_job, critical_path
 from megatron_muon.sharded.planner import (
     MIN_SPLIT_FLOPS,
     OwnerPlan,
@@ -163,12 +164,15 @@ def plan_step(
     tensor-parallel collectives: those need the identical plan on every tensor-parallel rank,
     whose row layouts may differ.
 
-    The ranks meet at every bucket's exchange, so a bucket whose NS falls mostly on one rank makes
-    the others wait, whatever the later buckets hold. With ``owner_buckets`` (owner mode) and one
-    owner per matrix, the buckets are rounds of the owners' queues (``bucket_by_owner_rounds``):
-    every bucket gives every rank its next matrices, and ``bucket_size_bytes`` bounds what each
-    owner holds. Otherwise (gather mode, where every rank holds every matrix of a bucket; split
-    plans; one rank) buckets are consecutive matrices within the bound (``bucket_by_bytes``).
+    A rank waits at a bucket for the results of every matrix it holds rows of, so a bucket whose
+    NS falls mostly on one rank makes the others wait (``bucket_schedule``: the sequential bucket
+    model). In owner mode (``owner_buckets``, more than one rank) the buckets are the cut with the
+    shortest critical path among the owner rounds (``bucket_by_owner_rounds``, one owner per
+    matrix) and cuts of the step's list schedule (``bucket_schedule.bucket_by_schedule``, split
+    plans too), ``bucket_size_bytes`` bounding what each worker holds per bucket; the owner
+    plan's ``critical_path`` is that cut's. Otherwise (gather mode, where every rank holds every
+    matrix of a bucket; one rank) buckets are consecutive matrices within the bound
+    (``bucket_by_bytes``).
 
     Args:
         bucket_size_bytes: bound on the full fp32 bytes of the matrices one rank holds in one
@@ -193,14 +197,22 @@ def plan_step(
     if group_size > 1 and not any(m.tp_collectives for m in matrices):
         traffic = [exchanged_elements(m.layout) for m in matrices]
         owner_plan = place_near_rows(owner_plan, costs, traffic)
-    if owner_buckets and group_size > 1 and not owner_plan.split_sizes:
-        buckets = bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
-    else:
-        buckets = bucket_by_bytes(sizes, bucket_size_bytes)
     records = tuple(
         MatrixPlan(matrix, cost, _work_blocks(owner_plan, m, matrix))
         for m, (matrix, cost) in enumerate(zip(matrices, costs, strict=True))
     )
+    jobs = [bucket_job(record, ns_config) for record in records]
+    if owner_buckets and group_size > 1:
+        rounds = []
+        if not owner_plan.split_sizes:
+            rounds.append(
+                bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
+            )
+        buckets = bucket_by_schedule(jobs, group_size, bucket_size_bytes, rounds)
+    else:
+        buckets = bucket_by_bytes(sizes, bucket_size_bytes)
+    if owner_buckets:
+        owner_plan = replace(owner_plan, critical_path=critical_path(jobs, buckets, group_size))
     return StepPlan(records, owner_plan, tuple(tuple(b) for b in buckets))
 
 
