@@ -86,6 +86,12 @@ _FSDP_FLAGS: dict[str, dict[str, Any]] = {
         help="Owner mode: exchange the next bucket while this one runs Newton-Schulz "
         "(two buckets' full matrices held at once; the same updates).",
     ),
+    "use_syrk": dict(
+        action="store_true",
+        help="Run the standard Newton-Schulz iteration through emerging-optimizers' Triton syrk "
+        "kernels (Megatron-LM main's flag): CUDA GPUs of SM 8.0/9.0/10.x with Triton >= 3.4, "
+        "bf16 iteration (--muon-fp32-matmul-prec medium); refused elsewhere.",
+    ),
 }
 _FSDP_FLAG_NAMES = {
     "mode": "--muon-fsdp-mode",
@@ -130,7 +136,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             default = default / _MIB
         if choices := _choices(MuonFsdpConfig, field):
             kwargs = {**kwargs, "choices": choices}
-        group.add_argument(_option(field), default=default, **kwargs)
+        if not _has_option(parser, _option(field)):  # Megatron-LM main has --muon-use-syrk
+            group.add_argument(_option(field), default=default, **kwargs)
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
         group.add_argument(

@@ -34,6 +34,7 @@ from megatron_muon.common.options import (
     check_choice,
 )
 from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
+from megatron_muon.newton_schulz.syrk import syrk_problem
 
 __all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig"]
 
@@ -114,6 +115,10 @@ class MuonFsdpConfig:
         offload_momentum: keep Muon momentum in CPU memory between steps.
         overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (two buckets'
             full matrices held at once instead of one; bitwise the same updates).
+        use_syrk: run the standard NS through emerging-optimizers' Triton syrk kernels
+            (Megatron-LM main's ``--muon-use-syrk``; ``newton_schulz.syrk``): CUDA only, refused
+            here by name where it cannot run (``syrk_problem``). The optimizer reads it into its
+            ``NSConfig(use_syrk=...)``, not as a ``ShardedMuon`` keyword.
     """
 
     mode: FsdpModeT = "owner"
@@ -123,18 +128,23 @@ class MuonFsdpConfig:
     gram_restarts: tuple[int, ...] | None = _NS_DEFAULTS.gram_restarts
     offload_momentum: bool = False
     overlap_buckets: bool = False
+    use_syrk: bool = False
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, FsdpModeT)
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes}")
         # Gram restarts are checked where the number of NS steps is known (ShardedMuon's NSConfig).
-        NSConfig(ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype)
+        NSConfig(
+            ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype, use_syrk=self.use_syrk
+        )
+        if self.use_syrk and (problem := syrk_problem()) is not None:
+            raise ValueError(f"use_syrk (--muon-use-syrk) cannot run here: {problem}")
         if self.gram_restarts is not None:
             # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
 
     def sharded_muon_kwargs(self) -> dict[str, Any]:
-        """The ``ShardedMuon`` keyword-only arguments these settings set: every field, under its
-        own name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The ``ShardedMuon`` keyword-only arguments these settings set: every field but
+        ``use_syrk`` (which goes into the optimizer's ``NSConfig``), under its own name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "use_syrk"}
