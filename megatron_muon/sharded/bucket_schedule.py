@@ -17,7 +17,7 @@ tool and the tests share them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,12 +27,22 @@ if TYPE_CHECKING:
     from megatron_muon.newton_schulz.methods import NSConfig
     from megatron_muon.sharded.step_plan import MatrixPlan
 
-__all__ = ["BucketJob", "bucket_by_schedule", "bucket_job", "critical_path", "list_schedule"]
+__all__ = [
+    "PATH_SLACK",
+    "BucketJob",
+    "bucket_by_schedule",
+    "bucket_job",
+    "critical_path",
+    "list_schedule",
+]
 
 _FP32 = 4  # the exchange holds fp32 matrices
 
-# Window counts ``bucket_by_schedule`` tries (each costs one pass of the bucket model).
-_NUM_WINDOW_COUNTS = 16
+# Window counts ``bucket_by_schedule`` tries per budget (each costs one pass of the bucket model).
+_NUM_WINDOW_COUNTS = 8
+# ``bucket_by_schedule`` holds the least memory among cuts whose critical path is within this
+# factor of the shortest it found.
+PATH_SLACK = 1.03
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +56,14 @@ class BucketJob:
         holders: group ranks that hold rows of it (send rows in, wait for the result).
         held_bytes: fp32 bytes each worker holds while it runs (the whole matrix, or its block),
             in ``work`` order: what the bucket bound counts.
+        staged_bytes: fp32 bytes of its rows each holder stages for the exchange, in ``holders``
+            order (``()``: not counted).
     """
 
     work: tuple[tuple[int, int], ...]
     holders: tuple[int, ...]
     held_bytes: tuple[int, ...]
+    staged_bytes: tuple[int, ...] = ()
 
     @property
     def split(self) -> bool:
@@ -77,9 +90,10 @@ def bucket_job(record: MatrixPlan, ns_config: NSConfig) -> BucketJob:
             for j, block in enumerate(blocks)
         )
     held = tuple(_FP32 * (b.row_stop - b.row_start) * (b.col_stop - b.col_start) for b in blocks)
-    ranges = record.matrix.layout.ranges
-    holders = tuple(r for r, (start, stop) in enumerate(ranges) if stop > start)
-    return BucketJob(work, holders, held)
+    layout = record.matrix.layout
+    holders = tuple(r for r, (start, stop) in enumerate(layout.ranges) if stop > start)
+    staged = tuple(_FP32 * layout.rows_of(r) * layout.row_numel for r in holders)
+    return BucketJob(work, holders, held, staged)
 
 
 def critical_path(
@@ -135,15 +149,17 @@ def bucket_by_schedule(
     jobs: Sequence[BucketJob],
     group_size: int,
     bound: int | None,
-    extra_candidates: Sequence[Sequence[Sequence[int]]] = (),
+    extra: Callable[[int], list[list[int]]] | None = None,
 ) -> list[list[int]]:
-    """Buckets whose critical path is the shortest of a few cuts of ``list_schedule``, every
-    worker holding at most ``bound`` fp32 bytes per bucket (a job larger than the bound alone).
+    """Buckets of the least held memory among those whose critical path is within
+    ``PATH_SLACK`` of the shortest found, every worker holding at most ``bound`` fp32 bytes per
+    bucket (a job larger than the bound alone): ``bound`` is a budget, spent where it shortens
+    the step.
 
-    Candidates: ``extra_candidates`` (e.g. the owner rounds); consecutive jobs in start order,
-    each bucket as full as the bound allows; and cuts of the schedule into ``k`` equal time
-    windows for a few ``k`` that keep the bound. The least ``critical_path`` wins (ties: fewer
-    buckets, then the first).
+    Candidates, for the bound and each halving of it down to the smallest job: ``extra(b)``
+    (e.g. the owner rounds within ``b``); consecutive jobs of ``list_schedule`` in start order,
+    each bucket as full as ``b`` allows; and cuts of that schedule into ``k`` equal time windows
+    for a few ``k`` that keep ``b``. Ties: fewer buckets, then the first.
 
     Returns:
         Indices of each bucket in index order; every index once. ``None``: one bucket.
@@ -154,10 +170,37 @@ def bucket_by_schedule(
         return [list(range(len(jobs)))]
     start = list_schedule(jobs, group_size)
     order = sorted(range(len(jobs)), key=lambda j: (start[j], j))
-    candidates = [[sorted(b) for b in c] for c in extra_candidates]
-    candidates.append(_greedy(jobs, order, group_size, bound))
-    candidates += _windows(jobs, start, group_size, bound)
-    return min(candidates, key=lambda c: (critical_path(jobs, c, group_size), len(c)))
+    smallest = min(min(job.held_bytes) for job in jobs)
+    candidates: list[list[list[int]]] = []
+    budget = bound
+    while True:
+        if extra is not None:
+            candidates.append([sorted(b) for b in extra(budget)])
+        candidates.append(_greedy(jobs, order, group_size, budget))
+        candidates += _windows(jobs, start, group_size, budget)
+        if budget <= smallest or budget == 1:
+            break
+        budget //= 2
+    paths = [critical_path(jobs, c, group_size) for c in candidates]
+    shortest = min(paths)
+    fits = [i for i, path in enumerate(paths) if path <= PATH_SLACK * shortest]
+    best = min(fits, key=lambda i: (_held(jobs, candidates[i], group_size), len(candidates[i]), i))
+    return candidates[best]
+
+
+def _held(jobs: Sequence[BucketJob], buckets: list[list[int]], group_size: int) -> int:
+    """The most fp32 bytes one rank holds in one bucket: what it works on and its rows staged."""
+    most = 0
+    for bucket in buckets:
+        held = [0] * group_size
+        for j in bucket:
+            job = jobs[j]
+            for (rank, _), size in zip(job.work, job.held_bytes, strict=True):
+                held[rank] += size
+            for rank, size in zip(job.holders, job.staged_bytes, strict=False):
+                held[rank] += size
+        most = max(most, max(held))
+    return most
 
 
 def _greedy(

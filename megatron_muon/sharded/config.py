@@ -38,10 +38,15 @@ from megatron_muon.newton_schulz.syrk import syrk_problem
 
 __all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig"]
 
-# The default bound on the fp32 full matrices an owner step holds at once: on the benchmark's
-# dense model at DP=2 the smallest bucket whose step is within 5% of one bucket's time
-# (docs/benchmarks.md, "Exchange bucket size").
-DEFAULT_BUCKET_SIZE_BYTES = 16 * 2**20
+# The default budget for the fp32 full matrices (and staged rows) an owner step holds at once. The
+# buckets hold the least memory among the cuts whose critical path is within 3% of the shortest
+# (``bucket_schedule.bucket_by_schedule``), so the budget is spent only where it shortens the
+# step. Measured on the sequential bucket model at real shapes (``python -m megatron_muon.plan``):
+# 4 GiB keeps every exact TP mode's critical path within 1.05x of its NS spread evenly on
+# llama3-70b (DP 16 x TP 8 layer_sharded: 1.046; a full FC1 is 1.75 GiB there, so 16 MiB gave
+# 1.596 and 1 GiB 1.435) and deepseek-v3 (DP 64 x TP 2, EP 8: 1.001, 1.5 GiB peak), and costs
+# nothing where small buckets suffice (llama3-8b, the CPU bench's hidden-512 matrices).
+DEFAULT_BUCKET_SIZE_BYTES = 4 * 2**30
 # The NS defaults (method, Gram dtype) are NSConfig's.
 _NS_DEFAULTS = NSConfig()
 
@@ -106,7 +111,8 @@ class MuonFsdpConfig:
         mode: ``"owner"``: each full matrix is orthogonalized once, on one owner rank of the
             data-parallel group; ``"gather"``: every rank gathers and orthogonalizes every matrix.
         bucket_size_bytes: bound on the fp32 full matrices one rank holds at once (the owner
-            step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
+            step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``), spent only where it
+            shortens the step's critical path; None = all in one bucket.
         ns_method: ``"standard"`` Newton-Schulz, ``"gram"`` (Gram Newton-Schulz) or
             ``"symmetric"`` (``newton_schulz.symmetric``).
         gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``

@@ -121,7 +121,7 @@ class ShardedMuon(TensorParallelMuon):
             owner step's peak extra memory; buckets are exchanged and orthogonalized one after the
             other, in owner mode each giving every rank its next matrices:
             ``step_plan.bucket_by_owner_rounds``); ``None`` exchanges all matrices in one bucket.
-            Default: 16 MiB (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
+            Default: ``config.DEFAULT_BUCKET_SIZE_BYTES`` (4 GiB, spent where it shortens the step).
         overlap_buckets: owner mode: the next bucket's rows travel while this bucket runs NS
             (``owner_pipeline``): up to two buckets' full matrices held at once; bitwise the same
             updates. Default off until measured (docs/benchmarks.md, "Overlap").

@@ -203,11 +203,13 @@ def plan_step(
     )
     jobs = [bucket_job(record, ns_config) for record in records]
     if owner_buckets and group_size > 1:
-        rounds = []
+        rounds = None
         if not owner_plan.split_sizes:
-            rounds.append(
-                bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
-            )
+            owners = owner_plan.owners
+
+            def rounds(bound: int) -> list[list[int]]:
+                return bucket_by_owner_rounds(owners, costs, sizes, bound)
+
         buckets = bucket_by_schedule(jobs, group_size, bucket_size_bytes, rounds)
     else:
         buckets = bucket_by_bytes(sizes, bucket_size_bytes)
