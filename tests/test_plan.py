@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -492,3 +493,45 @@ def test_tool_cli_writes_json(tmp_path, capsys):
     }
     assert "ours" in capsys.readouterr().out
     assert plan_main(["--model", "llama3-8b", "--dp", "8", "--tp", "3"]) == 2  # 32 heads / 3
+
+
+@pytest.mark.parametrize(
+    ("name", "dp", "tp", "ep"),
+    [("llama3-70b", 16, 8, None), ("llama3-70b", 64, 8, None), ("deepseek-v3", 64, 2, 8)],
+)
+def test_layer_sharded_critical_path_is_within_a_tenth_of_full_ns_spread_over_dp_x_tp(
+    name, dp, tp, ep
+):
+    from megatron_muon.plan.models import default_parallelism
+    from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
+    from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
+
+    spec = PRESETS[name]
+    parallel = default_parallelism(spec, dp, tp, ep)
+    settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
+    modes = {mode: tp_mode_figures(spec, parallel, mode, settings) for mode in TP_MODES}
+    layer_sharded, duplicated = modes["layer_sharded"], modes["duplicated"]
+    assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
+    # duplicated: the full NS on every TP rank, TP times the even share at the least
+    assert duplicated.flops_max_over_ideal >= 0.99 * tp, duplicated
+    # blockwise orthogonalizes TP-local blocks: fewer FLOPs than exact Muon needs
+    assert modes["blockwise"].ns_flops_max < layer_sharded.ns_flops_max
+    assert all(f.ideal_flops == layer_sharded.ideal_flops for f in modes.values())
+
+
+def test_grid_rows_give_each_dp_x_tp_rank_its_share_of_the_whole_matrix():
+    from megatron_muon.plan.models import Matrix
+    from megatron_muon.plan.tp_modes import grid_rows
+
+    rows = [np.array([3, 0, 5]), np.array([8, 0, 0]), np.array([2, 2, 4])]
+    local = [
+        Matrix("l.linear_fc1.weight", (8, 6), ((8, 6),), 0),  # column-parallel: rows split
+        Matrix("l.linear_fc2.weight", (8, 6), ((8, 6),), 0),  # row-parallel: columns split
+        Matrix("l.mlp.router.weight", (8, 6), ((8, 6),), 0),  # whole on every TP rank
+    ]
+    column, row, router = grid_rows(local, rows, 2)  # grid rank d * 2 + t
+    assert column.tolist() == [3, 3, 0, 0, 5, 5]  # partition t: rows t * 8 .. of the whole
+    assert row.tolist() == [4, 4, 0, 0, 0, 0]  # 8 rows of 6 of 12 columns: 4 whole rows each
+    assert router.tolist() == [2, 0, 2, 0, 4, 0]  # TP rank 0's copy sends, the others receive
+    for held, matrix in zip((column, row, router), local, strict=True):
+        assert held.sum() == matrix.tp_full(2).shape[0]
