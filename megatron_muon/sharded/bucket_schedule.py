@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PATH_SLACK",
+    "SMALLEST_BUDGET",
     "BucketJob",
     "bucket_by_schedule",
     "bucket_job",
@@ -43,6 +44,10 @@ _NUM_WINDOW_COUNTS = 8
 # ``bucket_by_schedule`` holds the least memory among cuts whose critical path is within this
 # factor of the shortest it found.
 PATH_SLACK = 1.03
+# The least budget ``bucket_by_schedule`` halves the bound down to: the model counts transfers
+# free, and below 16 MiB per rank the CPU bench's buckets gained no time while each bucket's
+# exchange costs a round of messages (docs/benchmarks.md, "Exchange bucket size").
+SMALLEST_BUDGET = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +161,8 @@ def bucket_by_schedule(
     bucket (a job larger than the bound alone): ``bound`` is a budget, spent where it shortens
     the step.
 
-    Candidates, for the bound and each halving of it down to the smallest job: ``extra(b)``
+    Candidates, for the bound and each halving of it down to the smallest job or
+    ``SMALLEST_BUDGET``: ``extra(b)``
     (e.g. the owner rounds within ``b``); consecutive jobs of ``list_schedule`` in start order,
     each bucket as full as ``b`` allows; and cuts of that schedule into ``k`` equal time windows
     for a few ``k`` that keep ``b``. Ties: fewer buckets, then the first.
@@ -178,7 +184,7 @@ def bucket_by_schedule(
             candidates.append([sorted(b) for b in extra(budget)])
         candidates.append(_greedy(jobs, order, group_size, budget))
         candidates += _windows(jobs, start, group_size, budget)
-        if budget <= smallest or budget == 1:
+        if budget <= smallest or budget // 2 < SMALLEST_BUDGET:
             break
         budget //= 2
     paths = [critical_path(jobs, c, group_size) for c in candidates]
