@@ -509,9 +509,15 @@ def test_layer_sharded_critical_path_is_within_a_tenth_of_full_ns_spread_over_dp
     spec = PRESETS[name]
     parallel = default_parallelism(spec, dp, tp, ep)
     settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
-    modes = {mode: tp_mode_figures(spec, parallel, mode, settings) for mode in TP_MODES}
-    layer_sharded, duplicated = modes["layer_sharded"], modes["duplicated"]
+    layer_sharded = tp_mode_figures(spec, parallel, "layer_sharded", settings)
     assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
+    if spec.num_experts:  # the other modes' figures on the dense models (seconds each here)
+        return
+    modes = {
+        m: tp_mode_figures(spec, parallel, m, settings) for m in TP_MODES if m != "layer_sharded"
+    }
+    modes["layer_sharded"] = layer_sharded
+    duplicated = modes["duplicated"]
     # duplicated: the full NS on every TP rank, TP times the even share at the least
     assert duplicated.flops_max_over_ideal >= 0.99 * tp, duplicated
     # blockwise orthogonalizes TP-local blocks: fewer FLOPs than exact Muon needs

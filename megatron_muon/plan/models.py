@@ -270,9 +270,8 @@ class Matrix:
 
     @property
     def tp_dim(self) -> int | None:
-        """The dim tensor parallelism splits (Megatron's ``partition_dim``): 0 for column-parallel
-        linears (QKV, FC1, the MLA up-projections), 1 for row-parallel ones (the attention
-        output projection, FC2); ``None`` for a weight every TP rank holds whole (router, the MLA
+        """The dim TP splits (``partition_dim``): 0 column-parallel (QKV, FC1, MLA up-projections),
+        1 row-parallel (output projection, FC2), ``None`` whole on every TP rank (router, MLA
         down-projections)."""
         layer = self.name.rsplit(".weight", 1)[0].rsplit(".", 1)[-1]
         if layer in ("linear_proj", "linear_fc2"):

@@ -19,25 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from megatron_muon.newton_schulz.cost_model import split_pieces_flops
-
-if TYPE_CHECKING:
-    from megatron_muon.newton_schulz.methods import NSConfig
-    from megatron_muon.sharded.step_plan import MatrixPlan
 
 __all__ = [
     "PATH_SLACK",
     "SMALLEST_BUDGET",
     "BucketJob",
     "bucket_by_schedule",
-    "bucket_job",
     "critical_path",
     "list_schedule",
 ]
 
-_FP32 = 4  # the exchange holds fp32 matrices
 
 # Window counts ``bucket_by_schedule`` tries per budget (each costs one pass of the bucket model).
 _NUM_WINDOW_COUNTS = 8
@@ -79,26 +70,6 @@ class BucketJob:
     def duration(self) -> int:
         """Time the job's workers spend on it: the largest share (lock step)."""
         return max(flops for _, flops in self.work)
-
-
-def bucket_job(record: MatrixPlan, ns_config: NSConfig) -> BucketJob:
-    """``record`` for the bucket model: each block's rank, NS FLOPs and fp32 bytes."""
-    blocks = record.work
-    work: tuple[tuple[int, int], ...]
-    if len(blocks) == 1:
-        work = ((blocks[0].rank, record.cost),)
-    else:
-        pieces = record.matrix.pieces
-        steps = ns_config.num_ns_steps
-        work = tuple(
-            (block.rank, split_pieces_flops(pieces, steps, len(blocks), j))
-            for j, block in enumerate(blocks)
-        )
-    held = tuple(_FP32 * (b.row_stop - b.row_start) * (b.col_stop - b.col_start) for b in blocks)
-    layout = record.matrix.layout
-    holders = tuple(r for r, (start, stop) in enumerate(layout.ranges) if stop > start)
-    staged = tuple(_FP32 * layout.rows_of(r) * layout.row_numel for r in holders)
-    return BucketJob(work, holders, held, staged)
 
 
 def critical_path(

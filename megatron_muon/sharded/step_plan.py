@@ -15,11 +15,17 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
+from megatron_muon.newton_schulz.cost_model import (
+    pieces_flops,
+    split_bounds,
+    split_dim_of_pieces,
+    split_pieces_flops,
+)
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.bucket_schedule import bucket_by_schedule, bucket_job, critical_path
+from megatron_muon.sharded.bucket_schedule import BucketJob, bucket_by_schedule, critical_path
 from megatron_muon.sharded.planner import (
     MIN_SPLIT_FLOPS,
     OwnerPlan,
@@ -39,6 +45,7 @@ __all__ = [
     "WorkBlock",
     "bucket_by_bytes",
     "bucket_by_owner_rounds",
+    "bucket_job",
     "exchanged_elements",
     "plan_step",
 ]
@@ -164,15 +171,11 @@ def plan_step(
     tensor-parallel collectives: those need the identical plan on every tensor-parallel rank,
     whose row layouts may differ.
 
-    A rank waits at a bucket for the results of every matrix it holds rows of, so a bucket whose
-    NS falls mostly on one rank makes the others wait (``bucket_schedule``: the sequential bucket
-    model). In owner mode (``owner_buckets``, more than one rank) the buckets are the cut with the
-    shortest critical path among the owner rounds (``bucket_by_owner_rounds``, one owner per
-    matrix) and cuts of the step's list schedule (``bucket_schedule.bucket_by_schedule``, split
-    plans too), ``bucket_size_bytes`` bounding what each worker holds per bucket; the owner
-    plan's ``critical_path`` is that cut's. Otherwise (gather mode, where every rank holds every
-    matrix of a bucket; one rank) buckets are consecutive matrices within the bound
-    (``bucket_by_bytes``).
+    A rank waits at a bucket for the results of every matrix it holds rows of (the sequential
+    bucket model, ``bucket_schedule``). In owner mode with more than one rank the buckets are
+    ``bucket_schedule.bucket_by_schedule``'s cut (split plans too; ``bucket_by_owner_rounds``
+    among its candidates), whose critical path the owner plan's ``critical_path`` is; otherwise
+    (gather mode, one rank) consecutive matrices within the bound (``bucket_by_bytes``).
 
     Args:
         bucket_size_bytes: bound on the full fp32 bytes of the matrices one rank holds in one
@@ -203,13 +206,8 @@ def plan_step(
     )
     jobs = [bucket_job(record, ns_config) for record in records]
     if owner_buckets and group_size > 1:
-        rounds = None
-        if not owner_plan.split_sizes:
-            owners = owner_plan.owners
-
-            def rounds(bound: int) -> list[list[int]]:
-                return bucket_by_owner_rounds(owners, costs, sizes, bound)
-
+        owners = () if owner_plan.split_sizes else owner_plan.owners
+        rounds = partial(bucket_by_owner_rounds, owners, costs, sizes) if owners else None
         buckets = bucket_by_schedule(jobs, group_size, bucket_size_bytes, rounds)
     else:
         buckets = bucket_by_bytes(sizes, bucket_size_bytes)
@@ -359,6 +357,28 @@ def exchanged_elements(layout: RowLayout) -> list[int]:
     held = [layout.rows_of(r) for r in range(len(layout.ranges))]
     total = layout.num_rows + sum(held)
     return [(total - 2 * rows) * layout.row_numel for rows in held]
+
+
+def bucket_job(record: MatrixPlan, ns_config: NSConfig) -> BucketJob:
+    """``record`` for the bucket model: each block's rank, NS FLOPs and fp32 bytes."""
+    blocks = record.work
+    work: tuple[tuple[int, int], ...]
+    if len(blocks) == 1:
+        work = ((blocks[0].rank, record.cost),)
+    else:
+        pieces = record.matrix.pieces
+        steps = ns_config.num_ns_steps
+        work = tuple(
+            (block.rank, split_pieces_flops(pieces, steps, len(blocks), j))
+            for j, block in enumerate(blocks)
+        )
+    held = tuple(
+        _EXCHANGE_BYTES * (b.row_stop - b.row_start) * (b.col_stop - b.col_start) for b in blocks
+    )
+    layout = record.matrix.layout
+    holders = tuple(r for r, (start, stop) in enumerate(layout.ranges) if stop > start)
+    staged = tuple(_EXCHANGE_BYTES * layout.rows_of(r) * layout.row_numel for r in holders)
+    return BucketJob(work, holders, held, staged)
 
 
 def _work_blocks(plan: OwnerPlan, m: int, matrix: NSMatrix) -> tuple[WorkBlock, ...]:
