@@ -35,6 +35,7 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
+from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.sharded.step_plan import bucket_by_bytes, bucket_by_owner_rounds
 from megatron_muon.testing import RankFailure, run_on_ranks
@@ -448,7 +449,8 @@ def test_tool_figures_equal_what_sharded_muon_measures_in_a_step(spec, min_split
     world_size = 4
     matrices = muon_matrices(spec, Parallelism(dp=world_size)).dense
     rows = layout_rows(matrices, world_size)
-    predicted = cost_of("ours", GroupInput(matrices, rows, world_size, min_split_cost=min_split))
+    settings = dict(min_split_cost=min_split, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
+    predicted = cost_of("ours", GroupInput(matrices, rows, world_size, **settings))
     assert predicted.plan is not None
     assert bool(predicted.plan.split_matrices()) == (spec is TINY_SPLIT)
     measured = run_on_ranks(
@@ -504,7 +506,6 @@ def test_layer_sharded_critical_path_is_within_a_tenth_of_full_ns_spread_over_dp
 ):
     from megatron_muon.plan.models import default_parallelism
     from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
-    from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 
     spec = PRESETS[name]
     parallel = default_parallelism(spec, dp, tp, ep)

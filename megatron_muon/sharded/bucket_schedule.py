@@ -130,7 +130,8 @@ def bucket_by_schedule(
     """Buckets of the least held memory among those whose critical path is within
     ``PATH_SLACK`` of the shortest found, every worker holding at most ``bound`` fp32 bytes per
     bucket (a job larger than the bound alone): ``bound`` is a budget, spent where it shortens
-    the step.
+    the step. Holding less than ``SMALLEST_BUDGET`` counts as holding that much (ties: fewer
+    buckets, each a round of messages the model does not count).
 
     Candidates, for the bound and each halving of it down to the smallest job or
     ``SMALLEST_BUDGET``: ``extra(b)``
@@ -161,7 +162,15 @@ def bucket_by_schedule(
     paths = [critical_path(jobs, c, group_size) for c in candidates]
     shortest = min(paths)
     fits = [i for i, path in enumerate(paths) if path <= PATH_SLACK * shortest]
-    best = min(fits, key=lambda i: (_held(jobs, candidates[i], group_size), len(candidates[i]), i))
+    # Memory under SMALLEST_BUDGET counts as that much: there the fewer buckets win.
+    best = min(
+        fits,
+        key=lambda i: (
+            max(SMALLEST_BUDGET, _held(jobs, candidates[i], group_size)),
+            len(candidates[i]),
+            i,
+        ),
+    )
     return candidates[best]
 
 
