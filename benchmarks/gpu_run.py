@@ -11,8 +11,9 @@ Each section runs in its own spawned process (``run_ranks``, one NCCL rank), in 
 4. ``gram``: Gram vs standard NS by aspect ratio (``benchmarks.ns_methods`` on the GPU; Gram in
    fp16, its default, and in bf16).
 5. ``symmetric``: symmetric vs standard NS (``ns_method="symmetric"``: its symmetric products as
-   three half-size GEMMs each) on the shapes of 2, in bf16 and in fp32: whether it pays on this
-   card, which decides whether it can become the default NS method (docs/newton_schulz.md).
+   three half-size GEMMs each) on the shapes of 2, in bf16 and in fp32, and in bf16 also
+   emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) where it runs: whether either pays
+   on this card, which decides the default NS method (docs/newton_schulz.md).
 6. ``training``: a 1B+ GPTModel (``GPU.gpt``, seq 4096) under Megatron-FSDP, bf16 compute weights,
    Muon (``build_muon_optimizer``) and AdamW (megatron-core's), each kind in its own process:
    median whole step, optimizer step, peak memory (``max_memory_allocated``) and state memory.
@@ -99,32 +100,41 @@ def symmetric_vs_standard(
 ) -> list[dict]:
     """Standard and symmetric NS (5 quintic steps) of each ``(rows, cols)`` fp32 matrix, timed
     alternately (``interleaved_times``), at "medium" (bf16 matmuls, Megatron's default) and
-    "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio."""
+    "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio. At "medium"
+    also emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) in the same rotation where it
+    runs (``syrk_s``, ``syrk_over_standard``); elsewhere ``syrk_s`` is None and ``syrk_problem``
+    says why (it has no "highest" form: emerging-optimizers runs it at "medium" only)."""
     from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
+    from megatron_muon.newton_schulz.syrk import syrk_problem
 
     standard, symmetric = NSConfig(), NSConfig(ns_method="symmetric")
+    problem = syrk_problem(device)
+    syrk = NSConfig(use_syrk=True) if problem is None else None
     rows_out = []
     for precision in ("medium", "highest"):
         torch.set_float32_matmul_precision(precision)
         for rows, cols in shapes:
             x = torch.randn(rows, cols, device=device)
-            standard_times, symmetric_times = interleaved_times(
-                [
-                    lambda x=x: orthogonalize(x, standard),
-                    lambda x=x: orthogonalize(x, symmetric),
-                ],
-                warmup,
-                repeats,
-                device,
-            )
+            calls = [
+                lambda x=x: orthogonalize(x, standard),
+                lambda x=x: orthogonalize(x, symmetric),
+            ]
+            if syrk is not None and precision == "medium":
+                calls.append(lambda x=x: orthogonalize(x, syrk))
+            times = interleaved_times(calls, warmup, repeats, device)
+            standard_s, symmetric_s = median(times[0]), median(times[1])
+            syrk_s = median(times[2]) if len(times) > 2 else None
             rows_out.append(
                 {
                     "shape": [rows, cols],
                     "precision": precision,
-                    "standard_s": median(standard_times),
-                    "symmetric_s": median(symmetric_times),
-                    "symmetric_over_standard": median(symmetric_times) / median(standard_times),
+                    "standard_s": standard_s,
+                    "symmetric_s": symmetric_s,
+                    "symmetric_over_standard": symmetric_s / standard_s,
                     "flop_ratio": symmetric.flops(rows, cols) / standard.flops(rows, cols),
+                    "syrk_s": syrk_s,
+                    "syrk_over_standard": None if syrk_s is None else syrk_s / standard_s,
+                    "syrk_problem": problem if precision == "medium" else "no 'highest' form",
                 }
             )
     return rows_out

@@ -198,13 +198,20 @@ def format_markdown(results: dict) -> str:
                 f"{g['gram_s'] * 1e3:.2f} | {g['speedup']:.2f}x |"
             )
     if _ok(results.get("symmetric")):
-        lines += ["", "| symmetric vs standard NS | precision | standard ms | symmetric ms | "
-                  "time ratio | FLOP ratio |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| symmetric / syrk vs standard NS | precision | standard ms | "
+                  "symmetric ms | time ratio | FLOP ratio | syrk ms | syrk ratio |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in results["symmetric"]:
+            syrk = r.get("syrk_s")
             lines.append(
                 f"| {tuple(r['shape'])} | {r['precision']} | {r['standard_s'] * 1e3:.2f} | "
                 f"{r['symmetric_s'] * 1e3:.2f} | {r['symmetric_over_standard']:.3f} | "
-                f"{r['flop_ratio']:.3f} |"
+                f"{r['flop_ratio']:.3f} | "
+                + (
+                    f"{syrk * 1e3:.2f} | {r['syrk_over_standard']:.3f} |"
+                    if syrk is not None
+                    else f"- | not run: {r.get('syrk_problem')} |"
+                )
             )
     if _ok(results.get("training")):
         lines += ["", "| training step | step ms | optimizer ms | peak GiB | state GiB |"]

@@ -5,7 +5,8 @@
 #   env.txt       GPU, driver, torch/CUDA/megatron versions, commit
 #   pytest.log    `pytest -m gpu` (its summary line last)
 #   bench.log     the benchmark's progress and report
-#   results.json  the benchmark's figures and target verdicts; results.md, its tables
+#   results.json  the benchmark's figures and target verdicts; results.md, its tables (among them
+#                 standard vs symmetric vs Triton syrk NS, --muon-use-syrk, where syrk can run)
 # Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md). Exit status: 0 when the tests and every
 # benchmark section ran; 1 otherwise; 2 without a CUDA device.
 set -uo pipefail

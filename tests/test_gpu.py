@@ -36,6 +36,28 @@ MODEL_FLAGS = [
 ]
 
 
+def test_syrk_newton_schulz_matches_the_standard_bf16_iteration():
+    import torch
+
+    from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
+    from megatron_muon.newton_schulz.syrk import syrk_problem
+
+    if (problem := syrk_problem("cuda")) is not None:
+        pytest.skip(f"the syrk NS cannot run here: {problem}")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # the only precision with a syrk form
+    try:
+        x = torch.randn(3, 256, 1024, device="cuda")  # batched: one matrix at a time through syrk
+        standard = orthogonalize(x, NSConfig())
+        syrk = orthogonalize(x, NSConfig(use_syrk=True))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    # Both iterate in bf16 (2^-8 relative rounding) with different kernels' accumulation orders;
+    # five steps of rounding keep the results a few bf16 ulps apart, far from a wrong polynomial.
+    relative = (syrk - standard).norm() / standard.norm()
+    assert relative < 2e-2, relative
+
+
 @pytest.mark.multirank
 def test_sharded_muon_on_cuda_row_shards_matches_tensor_parallel_muon():
     (result,) = run_on_ranks(gpu_runs.sharded_vs_tensor_parallel_muon, 1, device="cuda")

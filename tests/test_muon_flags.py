@@ -221,3 +221,29 @@ def test_a_bare_percent_in_a_flags_help_is_escaped_so_that_help_formats():
     escape_bare_percent_in_help(escape_bare_percent_in_help(parser))  # idempotent
     text = " ".join(parser.format_help().split())
     assert "1.10 = 10%)." in text and "default 7, 12-17% fewer" in text
+
+
+def test_use_syrk_is_refused_by_name_where_its_triton_kernels_cannot_run():
+    import torch
+
+    from megatron_muon import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args, check_muon_args, fsdp_config_from_args
+    from megatron_muon.newton_schulz.methods import NSConfig
+    from megatron_muon.newton_schulz.syrk import syrk_newton_schulz, syrk_problem
+
+    parser = add_muon_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).muon_use_syrk is False
+    assert "use_syrk" not in MuonFsdpConfig().sharded_muon_kwargs()  # it goes into NSConfig
+    with pytest.raises(ValueError, match="use_syrk .* ns_method='gram' has no syrk form"):
+        NSConfig(ns_method="gram", use_syrk=True)
+    assert "params are on cpu" in (syrk_problem("cpu") or "")
+    with pytest.raises(ValueError, match="use_syrk runs on 2-D .* fp32 CUDA tensors.*cpu"):
+        syrk_newton_schulz(torch.randn(8, 16), 5, "quintic")
+    if syrk_problem() is not None:  # a CPU host (CI): refused at argument check and build
+        args = parser.parse_args(["--muon-use-syrk"])
+        with pytest.raises(ValueError, match=r"use_syrk \(--muon-use-syrk\) cannot run here"):
+            check_muon_args(args)
+        with pytest.raises(ValueError, match=r"use_syrk \(--muon-use-syrk\) cannot run here"):
+            fsdp_config_from_args(args)
+    else:
+        assert fsdp_config_from_args(parser.parse_args(["--muon-use-syrk"])).use_syrk

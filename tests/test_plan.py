@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
+from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.sharded.step_plan import bucket_by_bytes, bucket_by_owner_rounds
 from megatron_muon.testing import RankFailure, run_on_ranks
@@ -447,7 +449,8 @@ def test_tool_figures_equal_what_sharded_muon_measures_in_a_step(spec, min_split
     world_size = 4
     matrices = muon_matrices(spec, Parallelism(dp=world_size)).dense
     rows = layout_rows(matrices, world_size)
-    predicted = cost_of("ours", GroupInput(matrices, rows, world_size, min_split_cost=min_split))
+    settings = dict(min_split_cost=min_split, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
+    predicted = cost_of("ours", GroupInput(matrices, rows, world_size, **settings))
     assert predicted.plan is not None
     assert bool(predicted.plan.split_matrices()) == (spec is TINY_SPLIT)
     measured = run_on_ranks(
@@ -492,3 +495,50 @@ def test_tool_cli_writes_json(tmp_path, capsys):
     }
     assert "ours" in capsys.readouterr().out
     assert plan_main(["--model", "llama3-8b", "--dp", "8", "--tp", "3"]) == 2  # 32 heads / 3
+
+
+@pytest.mark.parametrize(
+    ("name", "dp", "tp", "ep"),
+    [("llama3-70b", 16, 8, None), ("llama3-70b", 64, 8, None), ("deepseek-v3", 64, 2, 8)],
+)
+def test_layer_sharded_critical_path_is_within_a_tenth_of_full_ns_spread_over_dp_x_tp(
+    name, dp, tp, ep
+):
+    from megatron_muon.plan.models import default_parallelism
+    from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
+
+    spec = PRESETS[name]
+    parallel = default_parallelism(spec, dp, tp, ep)
+    settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
+    layer_sharded = tp_mode_figures(spec, parallel, "layer_sharded", settings)
+    assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
+    if spec.num_experts:  # the other modes' figures on the dense models (seconds each here)
+        return
+    modes = {
+        m: tp_mode_figures(spec, parallel, m, settings) for m in TP_MODES if m != "layer_sharded"
+    }
+    modes["layer_sharded"] = layer_sharded
+    duplicated = modes["duplicated"]
+    # duplicated: the full NS on every TP rank, TP times the even share at the least
+    assert duplicated.flops_max_over_ideal >= 0.99 * tp, duplicated
+    # blockwise orthogonalizes TP-local blocks: fewer FLOPs than exact Muon needs
+    assert modes["blockwise"].ns_flops_max < layer_sharded.ns_flops_max
+    assert all(f.ideal_flops == layer_sharded.ideal_flops for f in modes.values())
+
+
+def test_grid_rows_give_each_dp_x_tp_rank_its_share_of_the_whole_matrix():
+    from megatron_muon.plan.models import Matrix
+    from megatron_muon.plan.tp_modes import grid_rows
+
+    rows = [np.array([3, 0, 5]), np.array([8, 0, 0]), np.array([2, 2, 4])]
+    local = [
+        Matrix("l.linear_fc1.weight", (8, 6), ((8, 6),), 0),  # column-parallel: rows split
+        Matrix("l.linear_fc2.weight", (8, 6), ((8, 6),), 0),  # row-parallel: columns split
+        Matrix("l.mlp.router.weight", (8, 6), ((8, 6),), 0),  # whole on every TP rank
+    ]
+    column, row, router = grid_rows(local, rows, 2)  # grid rank d * 2 + t
+    assert column.tolist() == [3, 3, 0, 0, 5, 5]  # partition t: rows t * 8 .. of the whole
+    assert row.tolist() == [4, 4, 0, 0, 0, 0]  # 8 rows of 6 of 12 columns: 4 whole rows each
+    assert router.tolist() == [2, 0, 2, 0, 4, 0]  # TP rank 0's copy sends, the others receive
+    for held, matrix in zip((column, row, router), local, strict=True):
+        assert held.sum() == matrix.tp_full(2).shape[0]

@@ -118,7 +118,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title=_GROUP_TITLE)
     _add_megatron_muon_flags(parser, group)
     for field in _FSDP_FLAGS:
-        group.add_argument(_option(field), **_fsdp_flag_kwargs(field))
+        if not _has_option(parser, _option(field)):  # Megatron-LM main has --muon-use-syrk
+            group.add_argument(_option(field), **_fsdp_flag_kwargs(field))
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
         group.add_argument(

@@ -59,6 +59,7 @@ from megatron_muon.newton_schulz.gram import (
     gram_ns_flops,
 )
 from megatron_muon.newton_schulz.symmetric import symmetric_newton_schulz, symmetric_ns_flops
+from megatron_muon.newton_schulz.syrk import syrk_newton_schulz
 
 __all__ = [
     "NS_METHODS",
@@ -112,6 +113,8 @@ def _standard(x: torch.Tensor, config: NSConfig) -> torch.Tensor:
     custom = None
     if config.custom_coefficient_sets is not None:
         custom = [tuple(triple) for triple in config.custom_coefficient_sets]
+    if config.use_syrk:
+        return syrk_newton_schulz(x, config.num_ns_steps, config.coefficient_type, custom)
     return newton_schulz(
         x, config.num_ns_steps, config.coefficient_type, custom_coefficient_sets=custom
     )
@@ -174,6 +177,9 @@ class NSConfig:
             ``default_gram_restarts(num_ns_steps, gram_half_dtype)``; ``()`` means no restart
             (fine in fp32 for up to ~8 steps, divergent in half precision).
         gram_half_dtype: Gram NS only: its matmul dtype under ``"medium"`` fp32 matmul precision.
+        use_syrk: the standard method through emerging-optimizers' Triton syrk kernels
+            (``newton_schulz.syrk``; CUDA only: whoever builds the optimizer checks
+            ``syrk_problem`` for its device).
     """
 
     num_ns_steps: int = 5
@@ -184,6 +190,7 @@ class NSConfig:
     custom_coefficient_sets: tuple[CoefficientT, ...] | None = None
     gram_restarts: tuple[int, ...] | None = None
     gram_half_dtype: GramHalfDtypeT = "float16"
+    use_syrk: bool = False
 
     def __post_init__(self) -> None:
         # Lists (from YAML or argparse) become tuples, so the frozen config stays hashable.
@@ -206,6 +213,11 @@ class NSConfig:
         if self.gram_restarts is not None:
             check_restarts(self.gram_restarts, self.num_ns_steps)
         check_choice("gram_half_dtype", self.gram_half_dtype, GramHalfDtypeT)
+        if self.use_syrk and self.ns_method != "standard":
+            raise ValueError(
+                "use_syrk runs the standard Newton-Schulz iteration through Triton syrk kernels; "
+                f"ns_method={self.ns_method!r} has no syrk form"
+            )
 
     def shape_scale(self, rows: int, cols: int) -> float:
         """Muon's shape-dependent update scale for a ``(rows, cols)`` matrix (without the extra)."""

@@ -17,6 +17,9 @@ from typing import get_args
 from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
 from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
 from megatron_muon.plan.report import analyze, format_report
+from megatron_muon.plan.strategies import GroupInput
+from megatron_muon.plan.tp_modes import TP_MODES, format_tp_modes, tp_mode_figures
+from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 
 _NS_BYTES = {"medium": 2, "high": 4, "highest": 4}
 
@@ -60,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bucket-mb",
         type=float,
-        help="owner exchange bucket bound (ShardedMuon bucket_size_bytes) in MiB; default: none",
+        default=DEFAULT_BUCKET_SIZE_BYTES / 2**20,
+        help="owner exchange bucket bound (ShardedMuon bucket_size_bytes) in MiB; default: "
+        "ShardedMuon's; 0: unbounded (one bucket)",
     )
     parser.add_argument("--json", help="also write the figures as JSON to this path ('-': stdout)")
     return parser
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = _parser().parse_args(argv)
     spec = PRESETS[args.model] if args.model else load_model_config(args.config)
+    bucket_bytes = int(args.bucket_mb * 2**20) if args.bucket_mb else None
     try:
         parallel = default_parallelism(spec, args.dp, args.tp, args.ep, args.expt_dp)
         report = analyze(
@@ -79,16 +85,29 @@ def main(argv: list[str] | None = None) -> int:
             ns_method=args.ns_method,
             ns_bytes=_NS_BYTES[args.matmul_prec],
             max_split=args.max_split,
-            bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
+            bucket_bytes=bucket_bytes,
             flops_per_byte=args.flops_per_byte,
+        )
+        settings = GroupInput(
+            (), (), 1, args.ns_steps, _NS_BYTES[args.matmul_prec], args.max_split, bucket_bytes,
+            args.flops_per_byte, ns_method=args.ns_method,
+        )  # fmt: skip
+        tp_modes = (
+            [tp_mode_figures(spec, parallel, mode, settings) for mode in TP_MODES]
+            if parallel.tp > 1 or parallel.expert_tp > 1
+            else []
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json != "-":
         print(format_report(report))
+        if tp_modes:
+            print("\n" + format_tp_modes(tp_modes))
     if args.json:
-        text = json.dumps(report.to_dict(), indent=2)
+        text = json.dumps(
+            {**report.to_dict(), "tp_modes": [f.to_dict() for f in tp_modes]}, indent=2
+        )
         if args.json == "-":
             print(text)
         else:

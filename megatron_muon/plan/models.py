@@ -268,6 +268,30 @@ class Matrix:
     pieces: tuple[tuple[int, int], ...]
     unit: int
 
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim TP splits (``partition_dim``): 0 column-parallel (QKV, FC1, MLA up-projections),
+        1 row-parallel (output projection, FC2), ``None`` whole on every TP rank (router, MLA
+        down-projections)."""
+        layer = self.name.rsplit(".weight", 1)[0].rsplit(".", 1)[-1]
+        if layer in ("linear_proj", "linear_fc2"):
+            return 1
+        if layer in ("router", "linear_q_down_proj", "linear_kv_down_proj"):
+            return None
+        return 0
+
+    def tp_full(self, tp: int) -> Matrix:
+        """This TP-local matrix as the whole weight over ``tp`` ranks (its ``tp_dim`` times
+        ``tp``; QKV pieces: every query group)."""
+        dim = self.tp_dim
+        if dim is None or tp == 1:
+            return self
+
+        def grow(shape: tuple[int, int]) -> tuple[int, int]:
+            return (shape[0] * tp, shape[1]) if dim == 0 else (shape[0], shape[1] * tp)
+
+        return Matrix(self.name, grow(self.shape), tuple(grow(p) for p in self.pieces), self.unit)
+
 
 @dataclass(frozen=True, slots=True)
 class MuonParams:

@@ -13,12 +13,16 @@ from pathlib import Path
 
 from megatron_muon.plan.models import PRESETS, default_parallelism
 from megatron_muon.plan.report import PlanReport, analyze
-from megatron_muon.plan.strategies import STRATEGIES
+from megatron_muon.plan.strategies import STRATEGIES, GroupInput
+from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
+from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 
 DP_SIZES = (8, 64, 256, 1024)
 BUCKET_BYTES = 2**30  # MuonFsdpConfig(bucket_size_bytes=1 GiB) for ours and round-robin
 PRICED_FLOPS_PER_BYTE = 1e3  # plan_split_owners(flops_per_byte=...) for the "priced" rows
 COMMAND = "python -m megatron_muon.plan.scaling_doc --out docs"
+# (model, DP, TP, EP) of the TP-mode table: the layouts of issue 38's target.
+TP_LAYOUTS = (("llama3-70b", 16, 8, None), ("llama3-70b", 64, 8, None), ("deepseek-v3", 64, 2, 8))
 _LABELS = {
     "replicated": "replicated (PR #4486)",
     "round-robin": "round-robin",
@@ -50,10 +54,11 @@ llama3-8b and deepseek-v3 at DP 64; bytes per GPU about 2x its own momentum shar
   flat-bucket row split (one bucket per layer and kind, params ordered by row size, even split of
   the padded bucket; offsets from megatron_fsdp's own `build_data_parallel_buffer_index`).
 - **peak MiB**: extra memory at the peak: full matrices held at once (ours and round-robin:
-  `MuonFsdpConfig(bucket_size_bytes=1 GiB)`, exchanging consecutive matrices up to 1 GiB of full
-  fp32 bytes at a time; replicated: every boundary matrix, as PR #4486 gathers all before any NS;
-  dion: one batch), send staging, and the NS working set of the largest job. The optimizer state
-  itself is not counted.
+  `MuonFsdpConfig(bucket_size_bytes=1 GiB)`; round-robin exchanges consecutive matrices up to 1 GiB of
+  full fp32 bytes at a time, ours the buckets of least memory within 3% of the shortest critical
+  path; replicated: every boundary matrix, as PR #4486 gathers all before any NS; dion:
+  one batch), send staging, and the NS working set of the largest job. The optimizer state itself
+  is not counted.
 - **collectives**: entered by the busiest GPU per step. **split**: matrices whose NS ours splits
   over a block of 2-16 ranks (`split_newton_schulz`, exact to full-matrix NS).
 
@@ -117,6 +122,42 @@ def _table(reports: list[PlanReport]) -> list[str]:
                 f"| {_mib(f.peak_bytes_max)} | {f.collectives_max} | {f.num_split_matrices} |"
             )
     return lines
+
+
+def _tp_modes_section() -> list[str]:
+    """Ours under each ``--muon-tp-mode`` (``plan.tp_modes``) at ``TP_LAYOUTS``, default bound."""
+    settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
+    lines = [
+        "## Tensor parallelism: what each `--muon-tp-mode` costs",
+        "",
+        "Ours at ShardedMuon's default bucket bound "
+        f"({DEFAULT_BUCKET_SIZE_BYTES / 2**30:.0f} GiB, spent only where it shortens the step). "
+        "**ideal**: the full-matrix NS FLOPs spread evenly over the DP x TP ranks (experts: expert",
+        "DP x expert TP), the least exact Muon can put on a GPU. **crit/ideal**: the step's",
+        "critical path (dense optimizer, then experts) under the exchange buckets, buckets one",
+        "after another and a rank waiting for the results of every matrix it holds rows of, over",
+        "the ideal. `blockwise` (Megatron's default) orthogonalizes each TP rank's block: fewer",
+        "FLOPs, not Muon's update of the whole weight. `duplicated` runs the full NS on every TP",
+        "rank. `layer_sharded` assembles each whole matrix once on one rank of the DP x TP grid",
+        "(or splits its NS over a rank block), orthogonalizes it once and sends the rows back",
+        "(bytes: the whole matrix in and out).",
+        "",
+        "| model | DP x TP | EP | TP mode | NS TFLOP max | max/ideal | crit/ideal | sent MiB max "
+        "| peak MiB | split |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, dp, tp, ep in TP_LAYOUTS:
+        spec = PRESETS[name]
+        parallel = default_parallelism(spec, dp, tp, ep)
+        for mode in TP_MODES:
+            f = tp_mode_figures(spec, parallel, mode, settings)
+            lines.append(
+                f"| {name} | {dp} x {tp} | {parallel.ep} | {mode} | {f.ns_flops_max / 1e12:,.2f} "
+                f"| {f.flops_max_over_ideal:.3f} | {f.critical_path_over_ideal:.3f} "
+                f"| {_mib(f.bytes_sent_max)} | {_mib(f.peak_bytes_max)} "
+                f"| {f.num_split_matrices} |"
+            )
+    return [*lines, ""]
 
 
 def _plot(results: dict[str, list[PlanReport]], path: Path) -> None:
@@ -190,6 +231,7 @@ def write(out: Path) -> None:
                     f"| {_mib(report.own_shard_bytes_mean)} |"
                 )
     text.append("")
+    text += _tp_modes_section()
     for name, reports in results.items():
         first = reports[-1]
         text += [

@@ -47,7 +47,7 @@ from megatron_muon.sharded.layout import RowLayout
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
 from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
 
-__all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of"]
+__all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of", "owner_exchange", "plan_for"]
 
 STRATEGIES = ("replicated", "round-robin", "dion", "ours")
 _EXCHANGE_BYTES = 4  # fp32 rows in the owner exchange and the all-gathers
@@ -140,12 +140,12 @@ def cost_of(strategy: str, group: GroupInput) -> GroupCost:
         for i, owner in enumerate(owners):
             loads[owner] += group.cost(i)
         plan = OwnerPlan(owners, tuple(loads))
-        return _owner_exchange("round-robin", group, plan, group.buckets())
+        return owner_exchange("round-robin", group, plan, group.buckets())
     if strategy == "dion":
         return _dion(group)
     if strategy == "ours":
         ours = plan_for(group)
-        return _owner_exchange("ours", group, ours.owner_plan, ours.buckets)
+        return owner_exchange("ours", group, ours.owner_plan, ours.buckets)
     raise ValueError(f"unknown strategy {strategy!r}; known: {STRATEGIES}")
 
 
@@ -230,7 +230,7 @@ def _dion(group: GroupInput) -> GroupCost:
     return GroupCost("dion", flops, sent, sent.copy(), peak, collectives, useful)
 
 
-def _owner_exchange(
+def owner_exchange(
     strategy: str, group: GroupInput, plan: OwnerPlan, buckets: Sequence[Sequence[int]]
 ) -> GroupCost:
     """Figures of an owner plan (split matrices included) under ``ShardedMuon``'s exchange of

@@ -38,14 +38,20 @@ from megatron_muon.common.options import (
     check_choice,
 )
 from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
+from megatron_muon.newton_schulz.syrk import syrk_problem
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
 
 __all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig", "flag"]
 
-# The default bound on the fp32 full matrices an owner step holds at once: on the benchmark's
-# dense model at DP=2 the smallest bucket whose step is within 5% of one bucket's time
-# (docs/benchmarks.md, "Exchange bucket size").
-DEFAULT_BUCKET_SIZE_BYTES = 16 * 2**20
+# The default budget for the fp32 full matrices (and staged rows) an owner step holds at once. The
+# buckets hold the least memory among the cuts whose critical path is within 3% of the shortest
+# (``bucket_schedule.bucket_by_schedule``), so the budget is spent only where it shortens the
+# step. Measured on the sequential bucket model at real shapes (``python -m megatron_muon.plan``):
+# 4 GiB keeps every exact TP mode's critical path within 1.05x of its NS spread evenly on
+# llama3-70b (DP 16 x TP 8 layer_sharded: 1.046; a full FC1 is 1.75 GiB there, so 16 MiB gave
+# 1.596 and 1 GiB 1.435) and deepseek-v3 (DP 64 x TP 2, EP 8: 1.001, 1.5 GiB peak), and costs
+# nothing where small buckets suffice (llama3-8b, the CPU bench's hidden-512 matrices).
+DEFAULT_BUCKET_SIZE_BYTES = 4 * 2**30
 # The NS defaults (method, Gram dtype) are NSConfig's.
 _NS_DEFAULTS = NSConfig()
 
@@ -126,7 +132,8 @@ class MuonFsdpConfig:
         mode: ``"owner"``: each full matrix is orthogonalized once, on one owner rank of the
             data-parallel group; ``"gather"``: every rank gathers and orthogonalizes every matrix.
         bucket_size_bytes: bound on the fp32 full matrices one rank holds at once (the owner
-            step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``); None = all in one bucket.
+            step's peak extra memory; ``DEFAULT_BUCKET_SIZE_BYTES``), spent only where it
+            shortens the step's critical path; None = all in one bucket.
         ns_method: ``"standard"`` Newton-Schulz, ``"gram"`` (Gram Newton-Schulz) or
             ``"symmetric"`` (``newton_schulz.symmetric``).
         gram_half_dtype: Gram NS's matmul dtype under ``muon_fp32_matmul_prec="medium"``
@@ -140,6 +147,10 @@ class MuonFsdpConfig:
             (``planner.plan_split_owners``; ``MIN_SPLIT_FLOPS``); ``0`` allows splitting any.
         custom_coefficient_sets: the NS ``(a, b, c)`` triples for
             ``MuonConfig.coefficient_type="custom"`` (no flag: Megatron's flags carry none).
+        use_syrk: run the standard NS through emerging-optimizers' Triton syrk kernels
+            (Megatron-LM main's ``--muon-use-syrk``; ``newton_schulz.syrk``): CUDA only, refused
+            here by name where it cannot run (``syrk_problem``). Read into the
+            optimizer's ``NSConfig(use_syrk=...)`` (``ns_config``).
     """
 
     mode: FsdpModeT = field(
@@ -203,6 +214,14 @@ class MuonFsdpConfig:
         ),
     )
     custom_coefficient_sets: tuple[tuple[float, float, float], ...] | None = None
+    use_syrk: bool = field(
+        default=False,
+        metadata=flag(
+            "Run the standard Newton-Schulz iteration through emerging-optimizers' Triton syrk "
+            "kernels (Megatron-LM main's flag): CUDA GPUs of SM 8.0/9.0/10.x with Triton >= 3.4, "
+            "bf16 iteration (--muon-fp32-matmul-prec medium); refused elsewhere."
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, FsdpModeT)
@@ -212,7 +231,11 @@ class MuonFsdpConfig:
             raise ValueError(f"min_split_flops must be >= 0, got {self.min_split_flops}")
         # Gram restarts and custom coefficients are checked with the number of NS steps and the
         # coefficient type (``ns_config``).
-        NSConfig(ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype)
+        NSConfig(
+            ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype, use_syrk=self.use_syrk
+        )
+        if self.use_syrk and (problem := syrk_problem()) is not None:
+            raise ValueError(f"use_syrk (--muon-use-syrk) cannot run here: {problem}")
         # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
         if self.gram_restarts is not None:
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
@@ -237,4 +260,5 @@ class MuonFsdpConfig:
             custom_coefficient_sets=self.custom_coefficient_sets,
             gram_restarts=self.gram_restarts,
             gram_half_dtype=self.gram_half_dtype,
+            use_syrk=self.use_syrk,
         )

@@ -62,11 +62,15 @@ class OwnerPlan:
         split_sizes: ``split_sizes[i]`` ranks share matrix ``i``'s NS: ranks
             ``owners[i] .. owners[i] + split_sizes[i] - 1`` (an aligned block:
             ``owners[i] % split_sizes[i] == 0``). Empty means every matrix has a single owner.
+        critical_path: the step's NS makespan in FLOP time under its exchange buckets
+            (``bucket_schedule.critical_path``; ``step_plan.plan_step`` sets it); ``None``: not
+            computed (a plan without buckets).
     """
 
     owners: tuple[int, ...]
     loads: tuple[int, ...]
     split_sizes: tuple[int, ...] = ()
+    critical_path: int | None = None
 
     def __post_init__(self) -> None:
         assert not self.split_sizes or len(self.split_sizes) == len(self.owners)
@@ -76,6 +80,15 @@ class OwnerPlan:
         """Makespan over the perfectly balanced load (1.0 is perfect)."""
         total = sum(self.loads)
         return max(self.loads) * len(self.loads) / total if total else 1.0
+
+    @property
+    def critical_path_over_mean(self) -> float:
+        """``critical_path`` over the mean load (1.0: the buckets add no wait to a balanced
+        plan); ``max_over_mean`` where ``critical_path`` is unknown."""
+        total = sum(self.loads)
+        if self.critical_path is None or not total:
+            return self.max_over_mean
+        return self.critical_path * len(self.loads) / total
 
     def split_size(self, index: int) -> int:
         """How many ranks share matrix ``index`` (1: a single owner)."""

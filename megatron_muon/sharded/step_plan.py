@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
-from megatron_muon.newton_schulz.cost_model import pieces_flops, split_bounds, split_dim_of_pieces
+from megatron_muon.newton_schulz.cost_model import (
+    pieces_flops,
+    split_bounds,
+    split_dim_of_pieces,
+    split_pieces_flops,
+)
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.bucket_schedule import BucketJob, bucket_by_schedule, critical_path
 from megatron_muon.sharded.planner import (
     MIN_SPLIT_FLOPS,
     OwnerPlan,
@@ -38,6 +45,7 @@ __all__ = [
     "WorkBlock",
     "bucket_by_bytes",
     "bucket_by_owner_rounds",
+    "bucket_job",
     "exchanged_elements",
     "plan_step",
 ]
@@ -183,12 +191,11 @@ def plan_step(
     tensor-parallel collectives: those need the identical plan on every tensor-parallel rank,
     whose row layouts may differ.
 
-    The ranks meet at every bucket's exchange, so a bucket whose NS falls mostly on one rank makes
-    the others wait, whatever the later buckets hold. With ``owner_buckets`` (owner mode) and one
-    owner per matrix, the buckets are rounds of the owners' queues (``bucket_by_owner_rounds``):
-    every bucket gives every rank its next matrices, and ``bucket_size_bytes`` bounds what each
-    owner holds. Otherwise (gather mode, where every rank holds every matrix of a bucket; split
-    plans; one rank) buckets are consecutive matrices within the bound (``bucket_by_bytes``).
+    A rank waits at a bucket for the results of every matrix it holds rows of (the sequential
+    bucket model, ``bucket_schedule``). In owner mode with more than one rank the buckets are
+    ``bucket_schedule.bucket_by_schedule``'s cut (split plans too; ``bucket_by_owner_rounds``
+    among its candidates), whose critical path the owner plan's ``critical_path`` is; otherwise
+    (gather mode, one rank) consecutive matrices within the bound (``bucket_by_bytes``).
 
     Args:
         bucket_size_bytes: bound on the full fp32 bytes of the matrices one rank holds in one
@@ -213,14 +220,19 @@ def plan_step(
     if group_size > 1 and not any(m.tp_collectives for m in matrices):
         traffic = [exchanged_elements(m.layout) for m in matrices]
         owner_plan = place_near_rows(owner_plan, costs, traffic)
-    if owner_buckets and group_size > 1 and not owner_plan.split_sizes:
-        buckets = bucket_by_owner_rounds(owner_plan.owners, costs, sizes, bucket_size_bytes)
-    else:
-        buckets = bucket_by_bytes(sizes, bucket_size_bytes)
     records = tuple(
         MatrixPlan(matrix, cost, _work_blocks(owner_plan, m, matrix))
         for m, (matrix, cost) in enumerate(zip(matrices, costs, strict=True))
     )
+    jobs = [bucket_job(record, ns_config) for record in records]
+    if owner_buckets and group_size > 1:
+        owners = () if owner_plan.split_sizes else owner_plan.owners
+        rounds = partial(bucket_by_owner_rounds, owners, costs, sizes) if owners else None
+        buckets = bucket_by_schedule(jobs, group_size, bucket_size_bytes, rounds)
+    else:
+        buckets = bucket_by_bytes(sizes, bucket_size_bytes)
+    if owner_buckets:
+        owner_plan = replace(owner_plan, critical_path=critical_path(jobs, buckets, group_size))
     return StepPlan(records, owner_plan, tuple(tuple(b) for b in buckets))
 
 
@@ -365,6 +377,28 @@ def exchanged_elements(layout: RowLayout) -> list[int]:
     held = [layout.rows_of(r) for r in range(len(layout.ranges))]
     total = layout.num_rows + sum(held)
     return [(total - 2 * rows) * layout.row_numel for rows in held]
+
+
+def bucket_job(record: MatrixPlan, ns_config: NSConfig) -> BucketJob:
+    """``record`` for the bucket model: each block's rank, NS FLOPs and fp32 bytes."""
+    blocks = record.work
+    work: tuple[tuple[int, int], ...]
+    if len(blocks) == 1:
+        work = ((blocks[0].rank, record.cost),)
+    else:
+        pieces = record.matrix.pieces
+        steps = ns_config.num_ns_steps
+        work = tuple(
+            (block.rank, split_pieces_flops(pieces, steps, len(blocks), j))
+            for j, block in enumerate(blocks)
+        )
+    held = tuple(
+        _EXCHANGE_BYTES * (b.row_stop - b.row_start) * (b.col_stop - b.col_start) for b in blocks
+    )
+    layout = record.matrix.layout
+    holders = tuple(r for r, (start, stop) in enumerate(layout.ranges) if stop > start)
+    staged = tuple(_EXCHANGE_BYTES * layout.rows_of(r) * layout.row_numel for r in holders)
+    return BucketJob(work, holders, held, staged)
 
 
 def _work_blocks(plan: OwnerPlan, m: int, matrix: NSMatrix) -> tuple[WorkBlock, ...]:
