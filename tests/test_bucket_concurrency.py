@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.bucket_cuts import bucket_by_bytes
 from megatron_muon.sharded.bucket_schedule import BucketJob, critical_path
 from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.step_plan import NSMatrix, bucket_by_bytes, bucket_job, plan_step
+from megatron_muon.sharded.step_plan import NSMatrix, bucket_job, plan_step
 from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import MUON_KWARGS, full_tensor
 from tests.row_split_parity import set_sharded_grad, sharded_param, splits_for_rows

@@ -51,7 +51,7 @@ def test_our_flags_reach_the_fsdp_config():
 def test_each_flag_takes_its_default_and_choices_from_its_config_field():
     from typing import get_args
 
-    from megatron_muon import MuonFsdpConfig
+    from megatron_muon import MuonConfig, MuonFsdpConfig
     from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT
     from megatron_muon.fsdp.arguments import add_muon_args
     from megatron_muon.newton_schulz.methods import NSMethodT
@@ -80,7 +80,7 @@ def test_every_fsdp_config_field_with_flag_metadata_round_trips_through_its_flag
     # nothing gives the field's default, and a non-default value on the command line reaches it.
     from dataclasses import fields
 
-    from megatron_muon import MuonFsdpConfig
+    from megatron_muon import MuonConfig, MuonFsdpConfig
     from megatron_muon.fsdp.arguments import add_muon_args, fsdp_config_from_args
 
     parser = add_muon_args(argparse.ArgumentParser())
@@ -226,14 +226,14 @@ def test_a_bare_percent_in_a_flags_help_is_escaped_so_that_help_formats():
 def test_use_syrk_is_refused_by_name_where_its_triton_kernels_cannot_run():
     import torch
 
-    from megatron_muon import MuonFsdpConfig
+    from megatron_muon import MuonConfig, MuonFsdpConfig
     from megatron_muon.fsdp.arguments import add_muon_args, check_muon_args, fsdp_config_from_args
     from megatron_muon.newton_schulz.methods import NSConfig
     from megatron_muon.newton_schulz.syrk import syrk_newton_schulz, syrk_problem
 
     parser = add_muon_args(argparse.ArgumentParser())
     assert parser.parse_args([]).muon_use_syrk is False
-    assert "use_syrk" not in MuonFsdpConfig().sharded_muon_kwargs()  # it goes into NSConfig
+    assert MuonFsdpConfig().ns_config(MuonConfig()).use_syrk is False  # read into NSConfig
     with pytest.raises(ValueError, match="use_syrk .* ns_method='gram' has no syrk form"):
         NSConfig(ns_method="gram", use_syrk=True)
     assert "params are on cpu" in (syrk_problem("cpu") or "")

@@ -1,5 +1,6 @@
 """Owners placed near their rows (``planner.place_near_rows``) and the exchange buckets they get
-(``step_plan.bucket_by_owner_rounds``): fewer rows travel, no rank's NS grows, ranks stay level."""
+(``bucket_cuts.bucket_by_owner_rounds``): fewer rows travel, no rank's NS grows, ranks stay
+level."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from megatron_muon.newton_schulz.methods import ns_flops
 from megatron_muon.plan.fsdp_layout import bucket_rows
+from megatron_muon.sharded.bucket_cuts import bucket_by_owner_rounds
 from megatron_muon.sharded.layout import RowLayout
 from megatron_muon.sharded.planner import OwnerPlan, place_near_rows, plan_owners
-from megatron_muon.sharded.step_plan import bucket_by_owner_rounds, exchanged_elements
+from megatron_muon.sharded.step_plan import exchanged_elements
 
 MIB = 2**20
 # One layer of the bench GPT (hidden 512, MLP 2048), in param order: QKV, proj, fc1, fc2.

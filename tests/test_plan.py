@@ -35,9 +35,9 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
+from megatron_muon.sharded.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
 from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
-from megatron_muon.sharded.step_plan import bucket_by_bytes, bucket_by_owner_rounds
 from megatron_muon.testing import RankFailure, run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent

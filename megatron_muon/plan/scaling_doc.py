@@ -54,9 +54,9 @@ llama3-8b and deepseek-v3 at DP 64; bytes per GPU about 2x its own momentum shar
   flat-bucket row split (one bucket per layer and kind, params ordered by row size, even split of
   the padded bucket; offsets from megatron_fsdp's own `build_data_parallel_buffer_index`).
 - **peak MiB**: extra memory at the peak: full matrices held at once (ours and round-robin:
-  `MuonFsdpConfig(bucket_size_bytes=1 GiB)`; round-robin exchanges consecutive matrices up to 1 GiB of
-  full fp32 bytes at a time, ours the buckets of least memory within 3% of the shortest critical
-  path; replicated: every boundary matrix, as PR #4486 gathers all before any NS; dion:
+  `MuonFsdpConfig(bucket_size_bytes=1 GiB)`; round-robin exchanges consecutive matrices up to
+  1 GiB of full fp32 bytes at a time, ours the buckets of least memory within 3% of the shortest
+  critical path; replicated: every boundary matrix, as PR #4486 gathers all before any NS; dion:
   one batch), send staging, and the NS working set of the largest job. The optimizer state itself
   is not counted.
 - **collectives**: entered by the busiest GPU per step. **split**: matrices whose NS ours splits

@@ -43,9 +43,10 @@ from megatron_muon.newton_schulz.cost_model import (
 )
 from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSConfig, NSMethodT
 from megatron_muon.plan.models import Matrix
+from megatron_muon.sharded.bucket_cuts import bucket_by_bytes
 from megatron_muon.sharded.layout import RowLayout
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, bucket_by_bytes, plan_step
+from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of", "owner_exchange", "plan_for"]
 
@@ -89,7 +90,7 @@ class GroupInput:
         return _ns_config(self.num_ns_steps, self.ns_method)
 
     def buckets(self) -> list[list[int]]:
-        """``ShardedMuon``'s exchange buckets (``step_plan.bucket_by_bytes``): consecutive
+        """``ShardedMuon``'s exchange buckets (``bucket_cuts.bucket_by_bytes``): consecutive
         matrices within ``bucket_bytes`` fp32 bytes."""
         sizes = [_EXCHANGE_BYTES * m.shape[0] * m.shape[1] for m in self.matrices]
         return bucket_by_bytes(sizes, self.bucket_bytes)

@@ -6,7 +6,7 @@ without communicating.
 
 - ``plan_owners``: one owner per matrix, largest NS cost first onto the least-loaded rank (LPT
   scheduling; within 4/3 of the optimum makespan), ties broken by matrix index then rank (the
-  exchange buckets are rounds of each owner's matrices: ``step_plan.bucket_by_owner_rounds``).
+  exchange buckets are rounds of each owner's matrices: ``bucket_cuts.bucket_by_owner_rounds``).
 - ``place_near_rows``: a one-owner plan's owners moved (and swapped) to ranks that already hold
   more of their matrices' rows, so fewer rows travel, no rank's load above the plan's largest.
 - ``plan_split_owners``: the same, and where one owner per matrix cannot balance the ranks (ranks
