@@ -501,17 +501,28 @@ def test_tool_cli_writes_json(tmp_path, capsys):
     ("name", "dp", "tp", "ep"),
     [("llama3-70b", 16, 8, None), ("llama3-70b", 64, 8, None), ("deepseek-v3", 64, 2, 8)],
 )
-def test_layer_sharded_critical_path_is_within_a_tenth_of_full_ns_spread_over_dp_x_tp(
+def test_layer_sharded_critical_path_is_within_a_tenth_of_what_whole_matrix_ns_allows(
     name, dp, tp, ep
 ):
-    from megatron_muon.plan.models import default_parallelism
+    """Within 1.10x of the full-matrix NS spread evenly over DP x TP, or, where the grid has more
+    ranks than TP-split weights (llama3-70b at DP 64 x TP 8: 320 weights, 512 ranks), of the
+    largest weight's NS: layer_sharded never splits one (bitwise duplicated's update)."""
+    from megatron_muon.newton_schulz.cost_model import pieces_flops
+    from megatron_muon.plan.models import default_parallelism, muon_matrices
     from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
 
     spec = PRESETS[name]
     parallel = default_parallelism(spec, dp, tp, ep)
     settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
     layer_sharded = tp_mode_figures(spec, parallel, "layer_sharded", settings)
-    assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
+    dense = muon_matrices(spec, parallel).dense
+    largest = max(pieces_flops(m.tp_full(tp).pieces, settings.ns_config) for m in dense)
+    whole_matrix_bound = max(1.0, largest / layer_sharded.ideal_flops)
+    assert layer_sharded.critical_path_over_ideal <= 1.10 * whole_matrix_bound, layer_sharded
+    if (name, dp) == ("llama3-70b", 64):
+        assert whole_matrix_bound > 3  # fewer weights than grid ranks: NS granularity bounds it
+    else:
+        assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
     if spec.num_experts:  # the other modes' figures on the dense models (seconds each here)
         return
     modes = {

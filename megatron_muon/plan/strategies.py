@@ -150,15 +150,20 @@ def cost_of(strategy: str, group: GroupInput) -> GroupCost:
     raise ValueError(f"unknown strategy {strategy!r}; known: {STRATEGIES}")
 
 
-def plan_for(group: GroupInput) -> StepPlan:
+def plan_for(group: GroupInput, tp_partitions: Sequence[int] | None = None) -> StepPlan:
     """Our plan: ``step_plan.plan_step``, the function ``ShardedMuon`` plans with, on this
-    group's matrices and rows."""
+    group's matrices and rows. ``tp_partitions[i] > 1``: matrix ``i`` is a whole TP-split weight
+    assembled on the grid (``--muon-tp-mode layer_sharded``), whose NS is never split, as
+    ``NSMatrix.stock_ns`` says at run time (its shape is already the whole weight's here)."""
     matrices = []
     for i, (matrix, rows) in enumerate(zip(group.matrices, group.rows, strict=True)):
         stops = np.cumsum(rows)
         ranges = tuple(zip((stops - rows).tolist(), stops.tolist(), strict=True))
         layout = RowLayout(matrix.shape[0], (matrix.shape[1],), ranges)
-        matrices.append(NSMatrix(i, layout, qkv_split_shapes=_split_shapes(matrix)))
+        parts = tp_partitions[i] if tp_partitions is not None else 1
+        matrices.append(
+            NSMatrix(i, layout, qkv_split_shapes=_split_shapes(matrix), tp_partitions=parts)
+        )
     return plan_step(
         matrices,
         group.group_size,

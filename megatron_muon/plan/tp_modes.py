@@ -13,8 +13,8 @@ and where:
   Bytes: the DP owner exchange of the TP-local rows, plus the TP all-gather on the owners (ring:
   ``tp - 1`` partitions out and in, fp32); peak: plus the gathered matrix.
 - ``layer_sharded``: the owner pool is the whole DP x TP grid (experts: expert DP x expert TP):
-  each whole matrix is assembled once, on one grid rank (or a rank block, where the planner
-  splits its NS), from every partition's row shards, orthogonalized once, and its rows sent back
+  each whole matrix is assembled once, on one grid rank (never split, as ``ShardedMuon`` runs
+  it), from every partition's row shards, orthogonalized once, and its rows sent back
   (``step_plan.plan_step`` over the grid on whole shapes; bytes: the whole matrix in and out).
   A weight every TP rank holds whole (router, MLA down-projections) is planned once over the
   grid too, its rows taken from TP rank 0's copy and the result sent to every copy. Row-parallel
@@ -38,7 +38,7 @@ import numpy as np
 from megatron_muon.newton_schulz.cost_model import pieces_flops
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import Matrix, ModelSpec, Parallelism, muon_matrices
-from megatron_muon.plan.strategies import GroupInput, cost_of, owner_exchange
+from megatron_muon.plan.strategies import GroupInput, cost_of, owner_exchange, plan_for
 from megatron_muon.sharded.bucket_schedule import BucketJob, critical_path
 from megatron_muon.sharded.layout import RowLayout
 from megatron_muon.sharded.step_plan import NSMatrix, bucket_job, plan_step
@@ -151,7 +151,10 @@ def _group(
     ideal = sum(pieces_flops(m.pieces, probe.ns_config) for m in full) / (dp * tp)
     if mode == "layer_sharded":
         grid = _settings(settings, full, grid_rows(local, rows, tp), dp * tp)
-        cost = cost_of("ours", grid)
+        # A TP-split weight's NS runs whole on one grid rank, never split (NSMatrix.stock_ns).
+        parts = [tp if m.tp_dim is not None else 1 for m in local]
+        step_plan = plan_for(grid, parts)
+        cost = owner_exchange("ours", grid, step_plan.owner_plan, step_plan.buckets)
         plan = cost.plan
         assert plan is not None and plan.critical_path is not None
         sent = cost.bytes_sent.copy()
