@@ -59,6 +59,7 @@ from megatron_muon.fsdp.routing import (
     route_params,
 )
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.sharded_muon import ShardedMuon
 
@@ -68,7 +69,12 @@ __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam",
 CkptFormatT = Literal["fsdp_dtensor"]
 
 # Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
-_MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon}
+_MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon, "adaptive_muon": ShardedAdaptiveMuon}
+# The matrix optimizer's own keywords from ``OptimizerConfig`` beyond Muon's.
+_EXTRA_KWARGS: dict[str, Callable[[OptimizerConfig], dict[str, Any]]] = {
+    "muon": lambda config: {},
+    "adaptive_muon": lambda config: {"adaptive": AdaptiveMuonConfig.from_optimizer_config(config)},
+}
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
 _SCALAR_OPTIMIZER_NAMES: dict[ScalarOptimizerT, str] = {"adam": "AdamW", "lion": "Lion"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
@@ -287,10 +293,14 @@ def _muon_optimizer(
         dp_group=dp_group,
         **muon_config.tensor_parallel_muon_kwargs(),
         **fsdp_config.sharded_muon_kwargs(),
+        **_EXTRA_KWARGS[config.optimizer](config),
     )
     kind = "expert" if is_expert else "dense"
+    name = "Muon"
+    if isinstance(muon, ShardedAdaptiveMuon):
+        name = f"AdaptiveMuon({muon.moment2_method})"
     line = (
-        f"megatron-muon Muon[{kind}]: {_count(groups)} over "
+        f"megatron-muon {name}[{kind}]: {_count(groups)} over "
         f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line

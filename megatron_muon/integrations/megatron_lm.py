@@ -61,6 +61,11 @@ megatron-core fixes 6 and 7):
    ``--transformer-impl local`` from building, GPU or not).
 7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
    rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
+8. ``--optimizer adaptive_muon``: with Megatron-FSDP, items 1-3 treat it as Muon (the factory builds
+   ``ShardedAdaptiveMuon``; ``--adaptive-muon-moment2-method``, ``--adaptive-muon-beta2`` and
+   ``--adaptive-muon-eps`` are added, which Megatron's parser lacks); without it, megatron-core's
+   ``TensorParallelAdaptiveMuon``, which crashes at its first step and would scale twice, is
+   replaced in megatron-core's registry by a fixed subclass (``adaptive_muon_fix``).
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -91,9 +96,10 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
-from megatron_muon.integrations import local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations import adaptive_muon_fix, local_core_attention, mla_tensor_parallel
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
+    FSDP_OPTIMIZERS,
     accepting_muon_with_fsdp,
     extra_args_provider,
     muon_meets_megatron_fsdp,
@@ -158,6 +164,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     use_shipped_dataset_helpers()
     local_core_attention.patch()
     mla_tensor_parallel.install()
+    adaptive_muon_fix.install()
     _INSTALLED = True
 
 
@@ -188,7 +195,8 @@ def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Calla
         bound = signature.bind(*args, **kwargs)
         config = bound.arguments["config"]
         model_chunks = bound.arguments["model_chunks"]
-        if getattr(config, "optimizer", None) != "muon" or not uses_megatron_fsdp(model_chunks):
+        optimizer = getattr(config, "optimizer", None)
+        if optimizer not in FSDP_OPTIMIZERS or not uses_megatron_fsdp(model_chunks):
             return get_megatron_optimizer(*args, **kwargs)
         return _build_for_megatron_loop(
             config,

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_muon.fsdp.arguments import check_muon_args
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 
 __all__ = [
     "escape_bare_percent_in_help",
@@ -38,11 +39,12 @@ __all__ = [
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser)."""
+    from megatron_muon.fsdp.adaptive_muon_arguments import add_adaptive_muon_args
     from megatron_muon.fsdp.arguments import add_muon_args
 
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
-    return add_muon_args(parser)
+    return add_adaptive_muon_args(add_muon_args(parser))
 
 
 def with_muon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,9 +89,14 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 # --------------------------------------------------------------------------------------------------
 
 
+# The --optimizer values whose Megatron-FSDP runs this integration takes over (the factory's).
+FSDP_OPTIMIZERS = ("muon", "adaptive_muon")
+
+
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
-    """True for the one combination this integration takes over: Muon with Megatron-FSDP."""
-    return getattr(args, "optimizer", None) == "muon" and bool(
+    """True for the combination this integration takes over: Muon (or adaptive Muon) with
+    Megatron-FSDP."""
+    return getattr(args, "optimizer", None) in FSDP_OPTIMIZERS and bool(
         getattr(args, "use_megatron_fsdp", False)
     )
 
@@ -108,10 +115,13 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
         _take_over_qk_clip(args)
         _reduce_grads_across_hsdp_replicas(args)
         check_muon_args(args)  # a bad value stops here, naming its flag
+        name = args.optimizer
+        if name == "adaptive_muon":
+            AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
         print_args = arguments._print_args
 
         def print_with_muon(title: str, printed: argparse.Namespace) -> None:
-            printed.optimizer = "muon"
+            printed.optimizer = name
             print_args(title, printed)
 
         # The two refusals test args.optimizer; with "adam" in its place they pass, and Muon's
@@ -122,9 +132,9 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             result = validate_args(args, *rest, **kwargs)
         finally:
             arguments._print_args = print_args
-            args.optimizer = "muon"
+            args.optimizer = name
         if result is not None:
-            result.optimizer = "muon"
+            result.optimizer = name
         return result
 
     return validate_args_accepting_muon
