@@ -24,6 +24,7 @@ WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 MOMENTUM = 0.9
+ADAPTIVE_BETA2 = 0.9
 CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at every step
 
 
@@ -51,6 +52,21 @@ class Run:
     accumulate: str = "no_sync"  # or "plain"
     # fully_shard_model's sync_model_each_microbatch; None: True for one micro-batch, else False.
     sync_model_each_microbatch: bool | None = None
+    # --optimizer adaptive_muon with this second-moment method (None: muon); its reference is
+    # megatron-core's TensorParallelAdaptiveMuon with its crash fixed (adaptive_muon_fix).
+    moment2_method: str | None = None
+    lr: float = LR  # of every optimizer, the reference's too
+
+    def optimizer_overrides(self) -> dict:
+        """The ``OptimizerConfig`` fields this run sets beyond ``optimizer_config``'s."""
+        overrides: dict = {} if self.lr == LR else dict(lr=self.lr, min_lr=self.lr)
+        if self.moment2_method is None:
+            return overrides
+        return overrides | dict(
+            optimizer="adaptive_muon",
+            adaptive_muon_moment2_method=self.moment2_method,
+            adaptive_muon_beta2=ADAPTIVE_BETA2,
+        )
 
 
 def optimizer_config(**overrides):
@@ -242,11 +258,19 @@ def reference_routes_to_muon(name: str, param: torch.Tensor) -> bool:
 
 
 class Reference:
-    """TensorParallelMuon (matrices) + AdamW (the rest; no weight decay on 1-D) on full tensors."""
+    """TensorParallelMuon (matrices; with ``moment2_method``, the fixed TensorParallelAdaptiveMuon)
+    + AdamW (the rest; no weight decay on 1-D) on full tensors."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, moment2_method: str | None = None, lr: float = LR
+    ) -> None:
         from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
+        from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
+
+        adaptive: dict = {}
+        if moment2_method is not None:
+            adaptive = dict(moment2_method=moment2_method, beta2=ADAPTIVE_BETA2)
         self.model = model
         named = list(model.named_parameters())
         muon = [p for n, p in named if reference_routes_to_muon(n, p)]
@@ -254,9 +278,9 @@ class Reference:
         undecayed = [p for n, p in named if p.ndim < 2]
         heads = model.config.num_attention_heads
         kv = model.config.kv_channels
-        self.muon = TensorParallelMuon(
+        self.muon = (TensorParallelAdaptiveMuonFixed if adaptive else TensorParallelMuon)(
             muon,
-            lr=LR,
+            lr=lr,
             momentum=MOMENTUM,
             nesterov=True,
             weight_decay=WEIGHT_DECAY,
@@ -265,13 +289,14 @@ class Reference:
             qkv_split_shapes=[kv, kv, kv],  # per query group (4 groups of 1 head each)
             fp32_matmul_prec="highest",
             tp_mode="blockwise",
+            **adaptive,
         )
         self.adamw = torch.optim.AdamW(
             [
                 {"params": decayed, "weight_decay": WEIGHT_DECAY},
                 {"params": undecayed, "weight_decay": 0.0},
             ],
-            lr=LR,
+            lr=lr,
             betas=BETAS,
             eps=EPS,
         )
@@ -314,10 +339,11 @@ def train(
     ``build_kwargs`` go to ``build_gpt`` (e.g. ``mla=True``), for all three models alike."""
     from megatron_muon import MuonFsdpConfig, build_muon_optimizer
 
-    reference = Reference(build_gpt(moe, **build_kwargs))  # same seeds: the same initial weights
+    # Same seeds: the same initial weights.
+    reference = Reference(build_gpt(moe, **build_kwargs), run.moment2_method, run.lr)
     # The same reference, its batch gradient accumulated rank by rank and micro-batch by
     # micro-batch: fp32 reduction order is all it changes (the tests' noise floor).
-    reordered = Reference(build_gpt(moe, **build_kwargs))
+    reordered = Reference(build_gpt(moe, **build_kwargs), run.moment2_method, run.lr)
     num_chunks = world_size * run.num_microbatches
     model = build_gpt(moe, **build_kwargs)
     wrapped = wrap(model, run, world_size)
@@ -325,7 +351,7 @@ def train(
         wrapped.named_parameters()
     )  # the optimizer params (DTensors), right after wrapping
     optimizer = build_muon_optimizer(
-        optimizer_config(),
+        optimizer_config(**run.optimizer_overrides()),
         [wrapped],
         fsdp_config=MuonFsdpConfig(mode=run.mode),
         grads_already_synced=run.megatron_loop,
@@ -335,7 +361,7 @@ def train(
     for step in range(steps):
         tokens, labels = batch(step, world_size)
         reference_loss, reference_norm, reference_zeros = reference.step(tokens, labels)
-        reordered.step(tokens, labels, num_chunks)
+        reordered_loss, reordered_norm, _ = reordered.step(tokens, labels, num_chunks)
         optimizer.zero_grad()
         mine = tokens.view(world_size, -1, SEQ)[rank], labels.view(world_size, -1, SEQ)[rank]
         losses = _forward_backward(run, wrapped, fsdp, *mine)
@@ -349,6 +375,8 @@ def train(
                 "reference_loss": reference_loss,
                 "grad_norm": float(grad_norm),
                 "reference_grad_norm": reference_norm,
+                "reordered_loss": reordered_loss,
+                "reordered_grad_norm": reordered_norm,
                 "num_zeros": num_zeros,
                 "reference_num_zeros": reference_zeros,
             }

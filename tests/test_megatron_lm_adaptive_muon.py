@@ -36,10 +36,10 @@ NUM_ITERS, SAVE_AT = 8, 4
 STRATEGY = {"adamuon": "optim_grads", "normuon": "optim_grads_params", "namo": "optim"}
 FSDP_MODE = {"adamuon": "gather"}
 _FSDP_ONLY = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
-# adamuon's update is about sign(NS result) / sqrt(1 - beta2) per element (its first step exactly):
-# an element within rounding of zero flips sign between the DP=1 and DP=2 reduction orders. At
-# lr 0.02 the flipped elements move weights by ~0.5 and the losses part from iteration 3 (4.90456
-# vs 4.904685, measured); at 0.001 they agree to 2e-6, the loss still falls 10% in 5 iterations.
+# adamuon's first update is sign(NS result) / sqrt(1 - beta2) per element, times Muon's scale: at
+# lr 0.02 it moves each weight by ~0.5, and from there the DP=1 and DP=2 reduction orders part the
+# losses from iteration 3 (4.90456 vs 4.904685, measured); at 0.001 they agree to 2e-6 and the loss
+# still falls 10% in 5 iterations.
 LR = {"adamuon": "0.001"}
 
 
