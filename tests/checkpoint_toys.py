@@ -70,8 +70,11 @@ def build(
     hidden: int = 48,
     all_adam: bool = False,
     moe: bool = False,
+    adaptive: str | None = None,
 ):
     """Wrapped ToyMLP (or ToyMoE), [ShardedMuon(s), AdamW] with state for every param, scheduler.
+
+    ``adaptive``: the matrices train with ``ShardedAdaptiveMuon`` of that second-moment method.
 
     ToyMoE's 3-D expert weights get their own ShardedMuon over an expert data-parallel group (all
     ranks: expert-parallel size 1), as the factory routes Megatron's experts.
@@ -98,7 +101,15 @@ def build(
     if experts:
         expert_group = dist.new_group(list(range(world_size)))
         optimizers.insert(0, ShardedMuon(experts, dp_group=expert_group, **MUON_KWARGS))
-    if matrices:
+    if matrices and adaptive is not None:
+        from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+
+        config = AdaptiveMuonConfig(moment2_method=adaptive)  # type: ignore[arg-type]
+        matrix_optimizer = ShardedAdaptiveMuon(
+            matrices, adaptive=config, dp_group=dp_group, **MUON_KWARGS
+        )
+        optimizers.insert(0, matrix_optimizer)
+    elif matrices:
         optimizers.insert(0, ShardedMuon(matrices, dp_group=dp_group, **MUON_KWARGS))
     ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
     return wrapped, optimizers, WarmupScheduler(optimizers)
@@ -149,6 +160,8 @@ def local_snapshot(wrapped, optimizers) -> dict:
 
 def full_snapshot(wrapped, optimizers) -> dict:
     """Params and optimizer state gathered to full tensors (true uneven row layouts)."""
+    from torch.distributed.tensor import DTensor
+
     from megatron_muon.checkpointing import named_optimizer_params
     from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
@@ -156,7 +169,8 @@ def full_snapshot(wrapped, optimizers) -> dict:
     layouts = gather_row_layouts([p for _, p in named], None)
 
     def full(tensor: torch.Tensor, layout) -> torch.Tensor:
-        if tensor.ndim == 0:
+        # 0-d (Adam's step) or a plain replicated tensor (normuon's / namo's second moment).
+        if tensor.ndim == 0 or not isinstance(tensor, DTensor):
             return tensor.detach().clone()
         pieces: list = [None] * dist.get_world_size()
         dist.all_gather_object(pieces, local_tensor(tensor).detach().clone())
