@@ -11,6 +11,9 @@ import torch.distributed as dist
 from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import MUON_KWARGS
 
+# The next step after a reshard equals the never-resharded run's within this (relative): the
+# gradients' all-reduce order differs with DP size.
+RESHARD_TOLERANCE = 1e-6
 GLOBAL_BATCH = 12  # divisible by every DP size used here
 DIM = 16
 
@@ -285,3 +288,28 @@ def assert_loads_fail(cases: list[tuple[str, str, tuple[str, ...]]], **kwargs) -
             for phrase in phrases:
                 assert phrase in result["message"], (rank, phrase, result["message"])
             assert result["unchanged"], f"rank {rank}: state changed by a failed load of {path}"
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_resharded(reference: dict, results: list[dict]) -> None:
+    for result in results:
+        assert not result["rng_restored"]
+        loaded, saved = result["loaded"], reference["saved"]
+        # Params, Muon momentum, AdamW moments and step: exactly the saved values, on every row.
+        for name, tensor in saved["params"].items():
+            assert torch.equal(loaded["params"][name], tensor), name
+        for name, state in saved["state"].items():
+            assert set(loaded["state"][name]) == set(state), name
+            for key, tensor in state.items():
+                assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
+        # The next step equals the never-resharded run's (grad reduction order differs).
+        for name, tensor in reference["next"]["params"].items():
+            assert _relative(result["next"]["params"][name], tensor) <= RESHARD_TOLERANCE, name
+        for name, state in reference["next"]["state"].items():
+            for key, tensor in state.items():
+                if tensor.ndim:
+                    error = _relative(result["next"]["state"][name][key], tensor)
+                    assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"

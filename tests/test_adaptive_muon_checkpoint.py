@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_muon.testing import run_on_ranks
-from tests.checkpoint_toys import build, full_snapshot, train
-from tests.test_checkpointing import _assert_resharded
+from tests.checkpoint_toys import assert_resharded, build, full_snapshot, train
 
 pytestmark = pytest.mark.multirank
 
@@ -61,4 +60,4 @@ def test_adaptive_muon_state_saved_at_dp2_loads_bitwise_at_dp3(tmp_path) -> None
     for method in METHODS:
         keys = {k for state in saved[method]["saved"]["state"].values() for k in state}
         assert "moment2_buffer" in keys, (method, keys)
-        _assert_resharded(saved[method], [result[method] for result in loaded])
+        assert_resharded(saved[method], [result[method] for result in loaded])

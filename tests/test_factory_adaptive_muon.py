@@ -20,8 +20,8 @@ import pytest
 
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
+from tests.factory_gpt_runs import assert_matches_reference, by_run, train_runs
 from tests.gpt_parity import Run
-from tests.test_factory import _assert_matches_reference, _by_run, _train_runs
 
 RUNS = [
     Run("mcore", "optim_grads_params", moment2_method="normuon"),
@@ -32,7 +32,7 @@ RUNS = [
 
 @pytest.fixture(scope="module")
 def results() -> dict[Run, list[dict]]:
-    return _by_run(run_on_ranks(_train_runs, 2, RUNS, timeout=600), RUNS)
+    return by_run(run_on_ranks(train_runs, 2, RUNS, timeout=600), RUNS)
 
 
 @pytest.mark.multirank
@@ -43,7 +43,7 @@ def test_adaptive_muon_gpt_matches_the_unsharded_stock_optimizer(results, run: R
         f"AdaptiveMuon({run.moment2_method})[dense]" in line for line in per_rank[0]["summary"]
     )
     if run.moment2_method != "adamuon":
-        _assert_matches_reference(per_rank)
+        assert_matches_reference(per_rank)
         return
     errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)

@@ -23,9 +23,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
+from tests.megatron_lm_logs import (
+    assert_loss_falls,
+    assert_same_losses,
+    load_fsdp_dtensor_checkpoint,
+)
 from tests.muon_reference import full_tensor
-from tests.test_megatron_lm_loop import _load_checkpoint
 from tests.torchrun import DRIVER, TINY_GPT_CPU_FLAGS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -212,8 +215,8 @@ def test_adaptive_muon_resumes_bitwise_from_fsdp_dtensor_checkpoint(checkpoint_r
         if iteration != SAVE_AT + 2:
             assert resumed.iterations[iteration]["lm loss"] == expected["lm loss"]
     final = f"iter_{NUM_ITERS:07d}"
-    expected_state = _load_checkpoint(checkpoint_root / "uninterrupted" / final)
-    got = _load_checkpoint(checkpoint_root / "resumed" / final)
+    expected_state = load_fsdp_dtensor_checkpoint(checkpoint_root / "uninterrupted" / final)
+    got = load_fsdp_dtensor_checkpoint(checkpoint_root / "resumed" / final)
     tensors = sorted(k for k, v in expected_state.items() if torch.is_tensor(v))
     assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors
     moment2 = [k for k in tensors if k.endswith("moment2_buffer")]
