@@ -151,7 +151,9 @@ def test_summary_line_per_optimizer_names_counts_strategy_and_mode(mcore_results
 def test_unknown_optimizer_name_is_refused_with_the_known_names():
     from megatron_muon import build_muon_optimizer
 
-    with pytest.raises(ValueError, match=r"builds optimizer\(s\) \['muon'\].*optimizer='soap'"):
+    with pytest.raises(
+        ValueError, match=r"builds optimizer\(s\) \['adaptive_muon', 'muon'\].*optimizer='soap'"
+    ):
         build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
 
 

@@ -67,13 +67,12 @@ def _reference(method: str, fulls: list[torch.Tensor]):
     return params, optimizer
 
 
-def _sharded(params, method: str, mode: str, dp_group=None):
+def _sharded(params, method: str, mode: str, **extra):
     from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
     config = AdaptiveMuonConfig(moment2_method=method, beta2=BETA2, eps=EPS)
-    return ShardedAdaptiveMuon(
-        params, adaptive=config, tp_mode="blockwise", mode=mode, dp_group=dp_group, **KWARGS
-    )
+    kwargs = {"tp_mode": "blockwise", **KWARGS, **extra}
+    return ShardedAdaptiveMuon(params, adaptive=config, mode=mode, **kwargs)
 
 
 def _errors(params, optimizer, reference_params, reference, starts) -> dict[str, float]:
@@ -140,7 +139,24 @@ def _run(rank: int, world_size: int) -> dict:
                 "errors": _errors(params, optimizer, reference_params, reference, starts),
                 "replicated": replicated,
             }
+    results["tensor-parallel refusal"] = _tensor_parallel_refusal(fulls)
     return results
+
+
+def _tensor_parallel_refusal(fulls: list[torch.Tensor]) -> str:
+    """The error for params whose tensor-parallel group (here: all ranks) has several ranks."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    tp = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
+    try:
+        _sharded(
+            [torch.nn.Parameter(f.clone()) for f in fulls], "normuon", "owner", pg_collection=tp
+        )
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -164,6 +180,9 @@ def test_one_rank_without_torch_distributed_equals_adaptive_muon(method: str) ->
 def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> None:
     results = run_on_ranks(_run, world_size)
     for rank, by_case in enumerate(results):
+        refusal = by_case.pop("tensor-parallel refusal")
+        assert f"tensor-parallel size 1 only, got size {world_size}" in refusal, refusal
+        assert "tp_mode='blockwise'" in refusal, refusal
         for case, result in by_case.items():
             assert max(result["errors"].values()) <= TOLERANCE, (rank, case, result["errors"])
     for case in results[0]:
