@@ -48,8 +48,8 @@ LR = {"adamuon": "0.001"}
 
 def _flags(method: str) -> list[str]:
     return [
-        *("--optimizer adaptive_muon --lr", LR.get(method, "0.02")),
-        *("--muon-fp32-matmul-prec high").split(),
+        *("--optimizer adaptive_muon --muon-fp32-matmul-prec high --lr").split(),
+        LR.get(method, "0.02"),
         *("--adaptive-muon-moment2-method", method, "--adaptive-muon-beta2", "0.9"),
         *("--position-embedding-type rope --train-iters").split(),
         str(NUM_ITERS),
