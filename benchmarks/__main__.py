@@ -9,7 +9,8 @@ the optimizers compared alternate step by step in the same processes; every time
   over its ideal (NS FLOPs at the matmul rate), ours over ``TensorParallelMuon`` at DP=1, the owner
   step's transient memory over the full matrices it holds, DP=1 over DP=2 time; where the owner
   step's time goes (profiler); the load average before and after.
-- The exchange bucket size (``benchmarks.buckets``); with ``--peers``, the overlap of the exchange
+- The exchange bucket size (``benchmarks.buckets``); Muon under tensor parallelism, TP = 2 x DP = 2,
+  per ``--muon-tp-mode`` (``benchmarks.tp_modes``); with ``--peers``, the overlap of the exchange
   with NS (``benchmarks.overlap``) and the peers (``benchmarks.peers``).
 - 1. Muon optimizer step, owner vs gather, at DP = 1, 2, 4 on Megatron-FSDP row shards, dense and
   MoE (``benchmarks.owner_vs_gather``). 2. Full training step of a Megatron-FSDP GPTModel, Muon vs
@@ -52,6 +53,7 @@ from benchmarks import (
     peers,
     scaling,
     stock_comparison,
+    tp_modes,
     training_step,
 )
 from benchmarks.config import FULL, QUICK, BenchConfig
@@ -71,6 +73,7 @@ STATED_MINUTES = {"medium": 25, "highest": 40}
 SECTIONS = (
     headline.SECTION,
     buckets.SECTION,
+    tp_modes.SECTION,
     overlap.SECTION,
     peers.SECTION,
     owner_vs_gather.SECTION,

@@ -40,7 +40,9 @@ def bucket_sweep(
 
     params = sharded_params(shapes, world_size, device)
     optimizers = {
-        str(size): ShardedMuon(params, mode="owner", bucket_size_bytes=size, **MUON_KWARGS)
+        str(size): ShardedMuon.from_keywords(
+            params, mode="owner", bucket_size_bytes=size, **MUON_KWARGS
+        )
         for size in bucket_sizes
     }
     return owner_step_figures(optimizers, device, warmup, repeats)

@@ -85,7 +85,7 @@ def owner_step(
     from megatron_muon import ShardedMuon
 
     params = sharded_params(shapes, world_size, device)
-    optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, mode="owner", **MUON_KWARGS)
     for _ in range(warmup):
         optimizer.step()
     seconds = median([timed(optimizer.step, device) for _ in range(repeats)])

@@ -41,7 +41,7 @@ from benchmarks.optimizer_step import NS_PRECISION_ENV, time_samples
 from benchmarks.step_counts import step_figures
 from benchmarks.training_step import build_gpt, optimizer_config, torch_device
 from megatron_muon.newton_schulz.matmul_rates import BF16_SLOW_FACTOR
-from megatron_muon.newton_schulz.methods import NSMethodT
+from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
 
 __all__ = [
     "OURS_SIDES",
@@ -55,7 +55,7 @@ __all__ = [
 STEPS = 3
 # Ours, once per NS method compared: the default (emerging-optimizers' newton_schulz, the NS
 # LayerWise runs) and the symmetric method (the same iteration, its symmetric products by halves).
-OURS_SIDES: dict[str, NSMethodT] = {"ours": "standard", "ours_symmetric_ns": "symmetric"}
+OURS_SIDES: dict[str, NSMethodT] = {"ours": DEFAULT_NS_METHOD, "ours_symmetric_ns": "symmetric"}
 # Main weights are compared after step 1 and after step STEPS. After step 1 an exact Muon matches
 # the reference to fp32 reduction order (ours: 6e-6 of the update at DP=1); later steps start from
 # bf16 compute weights rounded from main weights that may differ in the last fp32 bits, so a weight
@@ -118,7 +118,7 @@ def _on_ddp(size: GPTSize, device: str, layer_wise: bool):
     return wrapped, get_megatron_optimizer(muon, [wrapped])
 
 
-def _on_megatron_fsdp(size: GPTSize, device: str, ns_method: NSMethodT = "standard"):
+def _on_megatron_fsdp(size: GPTSize, device: str, ns_method: NSMethodT = DEFAULT_NS_METHOD):
     """(Megatron-FSDP model, ``build_muon_optimizer`` with ``ns_method``): optim_grads_params."""
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 

@@ -1,6 +1,6 @@
 """Overlap of the owner exchange with Newton-Schulz: ``overlap_buckets`` on vs off.
 
-``ShardedMuon(overlap_buckets=True)`` sends bucket k+1's rows to their owners while bucket k runs
+``MuonFsdpConfig(overlap_buckets=True)`` sends bucket k+1's rows to their owners while bucket k runs
 NS (``megatron_muon.sharded.owner_pipeline``), holding two buckets' full matrices instead of one.
 This
 section steps both pipelines on the same Megatron-FSDP row shards of the dense model, in turn, at
@@ -39,7 +39,7 @@ def overlap_pair(
 
     params = sharded_params(shapes, world_size, device)
     optimizers = {
-        name: ShardedMuon(
+        name: ShardedMuon.from_keywords(
             params,
             mode="owner",
             bucket_size_bytes=bucket_size_bytes,

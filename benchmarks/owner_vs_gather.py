@@ -47,11 +47,12 @@ def owner_vs_gather(
     for name, shapes in models.items():
         params = sharded_params(shapes, world_size, device)
         optimizers = {
-            mode: ShardedMuon(params, mode=mode, **MUON_KWARGS) for mode in ("owner", "gather")
+            mode: ShardedMuon.from_keywords(params, mode=mode, **MUON_KWARGS)
+            for mode in ("owner", "gather")
         }
         seconds = time_alternating(optimizers, device, warmup, repeats)
         stats = {mode: asdict(opt.step_stats) for mode, opt in optimizers.items()}
-        bucketed = ShardedMuon(
+        bucketed = ShardedMuon.from_keywords(
             params, mode="owner", bucket_size_bytes=bucket_size_bytes, **MUON_KWARGS
         )
         for _ in range(warmup):  # as the timed ones were: one-time costs stay out of its figure

@@ -232,7 +232,7 @@ def peer_step_times(
     from megatron_muon import ShardedMuon
 
     optimizers = {
-        side: ShardedMuon(
+        side: ShardedMuon.from_keywords(
             sharded_params(shapes, world_size, device), **MUON_KWARGS, ns_method=method
         )
         for side, method in OURS_SIDES.items()

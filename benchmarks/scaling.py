@@ -27,7 +27,7 @@ def size_scaling(
     rows = []
     for shapes in shape_list:
         params = sharded_params(shapes, world_size, device)
-        optimizer = ShardedMuon(params, mode="owner", **MUON_KWARGS)
+        optimizer = ShardedMuon.from_keywords(params, mode="owner", **MUON_KWARGS)
         seconds = time_alternating({"owner": optimizer}, device, warmup, repeats)["owner"]
         rows.append(
             {"hidden": shapes.hidden, "seconds": seconds, "ns_flops": optimizer.step_stats.ns_flops}

@@ -41,7 +41,7 @@ def stock_comparison(
 
     emerging_kwargs = {k: v for k, v in MUON_KWARGS.items() if k != "tp_mode"}
     optimizers = {
-        "ours": ShardedMuon(copies(), **MUON_KWARGS),
+        "ours": ShardedMuon.from_keywords(copies(), **MUON_KWARGS),
         "tensor_parallel_muon": TensorParallelMuon(copies(), **MUON_KWARGS),
         "emerging_muon": Muon(copies(), **emerging_kwargs),
     }

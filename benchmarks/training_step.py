@@ -223,7 +223,7 @@ def _load_step_kernels(device: str) -> None:
     matrix.grad, vector.grad = torch.randn_like(matrix), torch.randn_like(vector)
     from benchmarks.optimizer_step import MUON_KWARGS
 
-    ShardedMuon([matrix], fp32_matmul_prec=MUON_KWARGS["fp32_matmul_prec"]).step()
+    ShardedMuon.from_keywords([matrix], fp32_matmul_prec=MUON_KWARGS["fp32_matmul_prec"]).step()
     torch.optim.AdamW([vector]).step()
 
 

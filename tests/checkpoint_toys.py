@@ -103,17 +103,19 @@ def build(
     optimizers: list = [torch.optim.AdamW(others, lr=1e-2, weight_decay=0.1)]
     if experts:
         expert_group = dist.new_group(list(range(world_size)))
-        optimizers.insert(0, ShardedMuon(experts, dp_group=expert_group, **MUON_KWARGS))
+        optimizers.insert(
+            0, ShardedMuon.from_keywords(experts, dp_group=expert_group, **MUON_KWARGS)
+        )
     if matrices and adaptive is not None:
         from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
         config = AdaptiveMuonConfig(moment2_method=adaptive)  # type: ignore[arg-type]
-        matrix_optimizer = ShardedAdaptiveMuon(
+        matrix_optimizer = ShardedAdaptiveMuon.from_keywords(
             matrices, adaptive=config, dp_group=dp_group, **MUON_KWARGS
         )
         optimizers.insert(0, matrix_optimizer)
     elif matrices:
-        optimizers.insert(0, ShardedMuon(matrices, dp_group=dp_group, **MUON_KWARGS))
+        optimizers.insert(0, ShardedMuon.from_keywords(matrices, dp_group=dp_group, **MUON_KWARGS))
     ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
     return wrapped, optimizers, WarmupScheduler(optimizers)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,21 +53,6 @@ class Run:
     accumulate: str = "no_sync"  # or "plain"
     # fully_shard_model's sync_model_each_microbatch; None: True for one micro-batch, else False.
     sync_model_each_microbatch: bool | None = None
-    # --optimizer adaptive_muon with this second-moment method (None: muon); its reference is
-    # megatron-core's TensorParallelAdaptiveMuon with its crash fixed (adaptive_muon_fix).
-    moment2_method: str | None = None
-    lr: float = LR  # of every optimizer, the reference's too
-
-    def optimizer_overrides(self) -> dict:
-        """The ``OptimizerConfig`` fields this run sets beyond ``optimizer_config``'s."""
-        overrides: dict = {} if self.lr == LR else dict(lr=self.lr, min_lr=self.lr)
-        if self.moment2_method is None:
-            return overrides
-        return overrides | dict(
-            optimizer="adaptive_muon",
-            adaptive_muon_moment2_method=self.moment2_method,
-            adaptive_muon_beta2=ADAPTIVE_BETA2,
-        )
 
 
 def optimizer_config(**overrides):
@@ -262,7 +248,7 @@ class Reference:
     + AdamW (the rest; no weight decay on 1-D) on full tensors."""
 
     def __init__(
-        self, model: torch.nn.Module, moment2_method: str | None = None, lr: float = LR
+        self, model: torch.nn.Module, *, moment2_method: str | None = None, lr: float = LR
     ) -> None:
         from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
@@ -300,6 +286,7 @@ class Reference:
             betas=BETAS,
             eps=EPS,
         )
+        self.optimizers: list[torch.optim.Optimizer] = [self.muon, self.adamw]
 
     def step(
         self, tokens: torch.Tensor, labels: torch.Tensor, num_chunks: int = 1
@@ -309,8 +296,8 @@ class Reference:
         ``num_chunks > 1``: the batch's gradient accumulated over that many equal chunks, in
         order (the same math in another reduction order: the noise floor of a parity test).
         """
-        self.muon.zero_grad()
-        self.adamw.zero_grad()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
         loss = torch.zeros(())
         for chunk_tokens, chunk_labels in zip(
             tokens.chunk(num_chunks), labels.chunk(num_chunks), strict=True
@@ -321,8 +308,8 @@ class Reference:
         params = [p for p in self.model.parameters() if p.grad is not None]
         zeros = sum(int((p.grad == 0).sum()) for p in params)
         norm = torch.nn.utils.clip_grad_norm_(params, CLIP_GRAD)
-        self.muon.step()
-        self.adamw.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
         return float(loss.detach()), float(norm), zeros
 
 
@@ -332,18 +319,29 @@ class Reference:
 
 
 def train(
-    run: Run, rank: int, world_size: int, steps: int, moe: bool = False, **build_kwargs
+    run: Run,
+    rank: int,
+    world_size: int,
+    steps: int,
+    moe: bool = False,
+    *,
+    config: Any = None,
+    reference_class: type[Reference] | None = None,
+    **build_kwargs,
 ) -> dict:
     """Trains a sharded copy and the reference side by side; returns deviations and stats.
 
-    ``build_kwargs`` go to ``build_gpt`` (e.g. ``mla=True``), for all three models alike."""
+    ``config``: the ``OptimizerConfig`` (default ``optimizer_config()``, Muon) and
+    ``reference_class`` its unsharded reference (default ``Reference``); ``build_kwargs`` go to
+    ``build_gpt`` (e.g. ``mla=True``), for all three models alike."""
     from megatron_muon import MuonFsdpConfig, build_muon_optimizer
 
+    reference_class = reference_class or Reference
     # Same seeds: the same initial weights.
-    reference = Reference(build_gpt(moe, **build_kwargs), run.moment2_method, run.lr)
+    reference = reference_class(build_gpt(moe, **build_kwargs))
     # The same reference, its batch gradient accumulated rank by rank and micro-batch by
     # micro-batch: fp32 reduction order is all it changes (the tests' noise floor).
-    reordered = Reference(build_gpt(moe, **build_kwargs), run.moment2_method, run.lr)
+    reordered = reference_class(build_gpt(moe, **build_kwargs))
     num_chunks = world_size * run.num_microbatches
     model = build_gpt(moe, **build_kwargs)
     wrapped = wrap(model, run, world_size)
@@ -351,7 +349,7 @@ def train(
         wrapped.named_parameters()
     )  # the optimizer params (DTensors), right after wrapping
     optimizer = build_muon_optimizer(
-        optimizer_config(**run.optimizer_overrides()),
+        config or optimizer_config(),
         [wrapped],
         fsdp_config=MuonFsdpConfig(mode=run.mode),
         grads_already_synced=run.megatron_loop,

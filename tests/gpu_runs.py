@@ -47,7 +47,7 @@ def sharded_vs_tensor_parallel_muon(rank: int, world_size: int) -> dict:
         params = sharded_params(shapes, world_size, "cuda")
         fulls = [torch.nn.Parameter(p.full_tensor().clone()) for p in params]
         grads = [p.grad.full_tensor().clone() for p in params]
-        ours = ShardedMuon(params, **kwargs)
+        ours = ShardedMuon.from_keywords(params, **kwargs)
         stock = TensorParallelMuon(fulls, **kwargs)
         for _ in range(STEPS):
             for p, g in zip(fulls, grads, strict=True):
@@ -68,7 +68,7 @@ def sharded_vs_tensor_parallel_muon(rank: int, world_size: int) -> dict:
 
 
 def momentum_offload_is_bitwise(rank: int, world_size: int) -> dict:
-    """``ShardedMuon(offload_momentum=True)`` vs without, ``STEPS`` steps on CUDA row shards:
+    """``MuonFsdpConfig(offload_momentum=True)`` vs without, ``STEPS`` steps on CUDA row shards:
     returns the largest absolute param difference and whether the host copies are pinned."""
     from benchmarks.models import TransformerShapes
     from benchmarks.optimizer_step import MUON_KWARGS, sharded_params
@@ -78,8 +78,8 @@ def momentum_offload_is_bitwise(rank: int, world_size: int) -> dict:
     shapes = TransformerShapes(num_layers=2, hidden=256, ffn_hidden=1024)
     plain, offloaded = (sharded_params(shapes, world_size, "cuda") for _ in range(2))
     optimizers = [
-        ShardedMuon(plain, **MUON_KWARGS),
-        ShardedMuon(offloaded, offload_momentum=True, **MUON_KWARGS),
+        ShardedMuon.from_keywords(plain, **MUON_KWARGS),
+        ShardedMuon.from_keywords(offloaded, offload_momentum=True, **MUON_KWARGS),
     ]
     for _ in range(STEPS):
         for optimizer in optimizers:

@@ -4,9 +4,14 @@ Runs ``examples/pretrain_gpt_megatron.py`` as ``__main__`` with the remaining ar
 this rank's row layout of every parameter (``MEGATRON_MUON_LAYOUT {name: [local_rows, rows]}``,
 from the DTensors Megatron-FSDP hands the optimizer), what optimizer the loop got
 (``MEGATRON_MUON_OPTIMIZER {"class": ..., "summary": [...]}``), the grad norm of every
-``optimizer.step()`` at full precision (``MEGATRON_MUON_GRAD_NORMS [...]``; the loop's log line
-rounds it to 3 decimals) and an end marker, so that a test can tell a rank that finished from one
-that hung.
+``optimizer.step()`` at full precision (``MEGATRON_MUON_GRAD_NORMS [...]``, also when the run
+stops with an error; the loop's log line rounds it to 3 decimals) and an end marker, so that a
+test can tell a rank that finished from one that hung.
+
+``MEGATRON_MUON_FILE_SIZE_LIMIT=<rank>:<iteration>:<bytes>`` in the environment: from the checkpoint
+save at ``iteration`` on, that rank's process may write no file beyond ``bytes`` (``RLIMIT_FSIZE``,
+with ``SIGXFSZ`` ignored so that a write past it fails with ``EFBIG``): the disk fills up during
+that save.
 
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
@@ -14,8 +19,12 @@ the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import resource
 import runpy
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +35,7 @@ LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
+FILE_SIZE_LIMIT_VARIABLE = "MEGATRON_MUON_FILE_SIZE_LIMIT"
 
 
 def _rows(param: Any) -> list[int]:
@@ -33,6 +43,24 @@ def _rows(param: Any) -> list[int]:
 
     local = param.to_local() if isinstance(param, DTensor) else param
     return [int(local.shape[0]) if local.ndim else 1, int(param.shape[0]) if param.ndim else 1]
+
+
+def _limit_file_size_from_a_save(training: Any) -> None:
+    """``FILE_SIZE_LIMIT_VARIABLE``: one rank's disk fills up at one save (module docstring)."""
+    import torch
+
+    rank, iteration, size = (int(part) for part in os.environ[FILE_SIZE_LIMIT_VARIABLE].split(":"))
+    save_checkpoint = training.save_checkpoint
+
+    @functools.wraps(save_checkpoint)
+    def save_checkpoint_on_a_full_disk(at_iteration: int, *args: Any, **kwargs: Any) -> Any:
+        if at_iteration == iteration and torch.distributed.get_rank() == rank:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+        return save_checkpoint(at_iteration, *args, **kwargs)
+
+    training.save_checkpoint = save_checkpoint_on_a_full_disk
 
 
 def main() -> None:
@@ -69,8 +97,13 @@ def main() -> None:
         return model, optimizer, scheduler
 
     training.setup_model_and_optimizer = setup_and_capture
+    if FILE_SIZE_LIMIT_VARIABLE in os.environ:
+        _limit_file_size_from_a_save(training)
     sys.argv = [str(EXAMPLE), *argv]
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    try:
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
+    finally:  # a run that stops with an error still shows the steps it took
+        print(GRAD_NORMS_MARKER + json.dumps(captured.get("grad_norms", [])), flush=True)
 
     layout: dict[str, list[int]] = {}
     for chunk in captured.get("model", []):
@@ -83,7 +116,6 @@ def main() -> None:
     }
     print(LAYOUT_MARKER + json.dumps(layout), flush=True)
     print(OPTIMIZER_MARKER + json.dumps(described), flush=True)
-    print(GRAD_NORMS_MARKER + json.dumps(captured.get("grad_norms", [])), flush=True)
     print(DONE_MARKER, flush=True)
 
 

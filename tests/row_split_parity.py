@@ -128,7 +128,9 @@ def run_constructed_splits(
     params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
     truth_params = float64_params(fulls)
-    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS, **extra, **(sharded_only or {}))
+    optimizer = ShardedMuon.from_keywords(
+        params, mode=mode, **MUON_KWARGS, **extra, **(sharded_only or {})
+    )
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS, **extra)
     truth = Float64Muon(truth_params, **MUON_KWARGS, **extra)
     for step in range(steps):

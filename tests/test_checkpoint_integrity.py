@@ -272,7 +272,7 @@ def _muon_with_different_params(rank: int, world_size: int) -> dict:
         for param in params:
             param.grad = torch.randn_like(param)
         try:
-            ShardedMuon(params, lr=0.01).step()
+            ShardedMuon.from_keywords(params, lr=0.01).step()
             results[case] = None
         except ValueError as error:
             results[case] = str(error)

@@ -212,7 +212,7 @@ def _constructed(rank, world_size, path, save) -> dict:
             local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
         )
         module.register_parameter(f"w{index}", torch.nn.Parameter(dtensor))
-    optimizer = ShardedMuon(list(module.parameters()), **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(list(module.parameters()), **MUON_KWARGS)
     if save:
         for index, param in enumerate(module.parameters()):
             grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(100 + index))

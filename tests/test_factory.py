@@ -152,7 +152,8 @@ def test_unknown_optimizer_name_is_refused_with_the_known_names():
     from megatron_muon import build_muon_optimizer
 
     with pytest.raises(
-        ValueError, match=r"builds optimizer\(s\) \['adaptive_muon', 'muon'\].*optimizer='soap'"
+        ValueError,
+        match=r"builds optimizer\(s\) \['adaptive_muon', 'lion', 'muon'\].*optimizer='soap'",
     ):
         build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
 
@@ -161,7 +162,7 @@ def test_fp16_with_muon_is_refused():
     from megatron_muon import build_muon_optimizer
 
     config = gpt_parity.optimizer_config(fp16=True)
-    with pytest.raises(ValueError, match="Muon with fp16 is not supported"):
+    with pytest.raises(ValueError, match="muon with fp16 is not supported"):
         build_muon_optimizer(config, [torch.nn.Linear(2, 2)])
 
 

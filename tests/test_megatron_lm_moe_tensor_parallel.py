@@ -6,7 +6,9 @@ Three launches of ``examples/pretrain_gpt_megatron.py`` (``tests/torchrun.py``; 
 
 - ``tp2_ep2``: 4 ranks, TP = 2 with sequence parallelism (dense and expert TP = 2), EP = 2, so
   DP = 2 and an expert data-parallel group of 1; saves at iteration ``SAVE_AT``;
-- ``resumed``: the same layout, resuming from that save (save/resume at TP = 2 and EP = 2);
+- ``resumed``: the same layout, resuming from that save (save/resume at TP = 2 and EP = 2); for
+  GQA with ``--muon-tp-mode layer_sharded`` (each unsplit matrix, dense and expert, orthogonalized
+  once over its DP x TP grid), which must continue duplicated's run bit for bit: the same update;
 - ``one_rank``: 1 rank, no tensor, expert or data parallelism, resuming from the same save.
 
 The reference, and why it is right: ``one_rank`` continues from exactly the state ``tp2_ep2``
@@ -65,28 +67,37 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 NUM_ITERS = 5
 SAVE_AT = 2
 EXACT_FLAGS = ["--micro-batch-size", "2", "--make-vocab-size-divisible-by", "64"]
-TP2_EP2_FLAGS = [
-    *("--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2").split(),
-    *("--muon-tp-mode", "duplicated"),
-]
+TP2_EP2_LAYOUT = (
+    "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2"
+).split()
+TP2_EP2_FLAGS = [*TP2_EP2_LAYOUT, *("--muon-tp-mode", "duplicated")]
 
 
 class Runs:
-    """The three launches (module docstring); ``model_flags`` after ``MOE_FLAGS``."""
+    """The three launches (module docstring); ``model_flags`` after ``MOE_FLAGS``; the resumed
+    run in ``resumed_tp_mode``."""
 
-    def __init__(self, checkpoint: Path, model_flags: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        model_flags: list[str] | None = None,
+        resumed_tp_mode: str = "duplicated",
+    ) -> None:
         self.checkpoint = checkpoint
+        self.resumed_tp_mode = resumed_tp_mode
         base = [*MOE_FLAGS, *(model_flags or []), *EXACT_FLAGS]
         save = ["--save", str(checkpoint), "--save-interval", str(SAVE_AT)]
         load = ["--load", str(checkpoint), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
+        resumed = [*TP2_EP2_LAYOUT, "--muon-tp-mode", resumed_tp_mode]
         self.tp2_ep2 = run_megatron([*base, *TP2_EP2_FLAGS, *save], nproc=4, timeout=300)
-        self.resumed = run_megatron([*base, *TP2_EP2_FLAGS, *load], nproc=4, timeout=300)
+        self.resumed = run_megatron([*base, *resumed, *load], nproc=4, timeout=300)
         self.one_rank = run_megatron([*base, *load], nproc=1, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("tp2_ep2_ckpt"))
+    """GQA; resumed in layer_sharded (duplicated's update, bit for bit: module docstring)."""
+    return Runs(tmp_path_factory.mktemp("tp2_ep2_ckpt"), resumed_tp_mode="layer_sharded")
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +181,8 @@ def test_resume_at_tp2_ep2_equals_the_uninterrupted_run(either_runs: Runs) -> No
         f"{runs.resumed.series('lm loss')} grad norms {runs.resumed.grad_norms}"
     )
     assert_resume_continues(runs.resumed, runs.tp2_ep2, exact=True)
+    summary = " ".join(runs.resumed.optimizers[0]["summary"])
+    assert f"tp_mode {runs.resumed_tp_mode}" in summary, summary
     # QK-clip after the resume clips what the uninterrupted run clipped.
     clipped = printed_lines(runs.tp2_ep2, 0, "QK-clip: ")
     resumed = printed_lines(runs.resumed, 0, "QK-clip: ")

@@ -15,6 +15,10 @@ significant digits). Tolerance on every iteration's loss: 1e-5 relative.
 
 The duplicated 4-rank run also saves at ``SAVE_AT``; a 2-rank run (TP = 2 x DP = 1) resumes from it:
 DP reshard at fixed TP, every later grad norm and loss equal to the uninterrupted run's (1e-5).
+
+``--muon-tp-mode layer_sharded`` (4 ranks, duplicated's strategy) computes duplicated's update with
+each unsplit matrix orthogonalized once over the DP x TP grid: its 8 grad norms and losses equal
+the duplicated run's bit for bit (its save/resume: tests/test_megatron_lm_moe_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,14 @@ from tests.torchrun import MegatronRun, run_megatron
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
 TP_MODES = ("blockwise", "duplicated", "distributed")
-# A different Megatron-FSDP sharding strategy per tp_mode (the same one at 4 and 2 ranks).
-STRATEGY = {"blockwise": "optim_grads_params", "duplicated": "optim", "distributed": "no_shard"}
+# A different Megatron-FSDP sharding strategy per tp_mode (the same one at 4 and 2 ranks);
+# layer_sharded duplicated's, to be compared with it bit for bit.
+STRATEGY = {
+    "blockwise": "optim_grads_params",
+    "duplicated": "optim",
+    "distributed": "no_shard",
+    "layer_sharded": "optim",
+}
 NUM_ITERS = 8
 FLAGS = [
     *"--tensor-model-parallel-size 2 --optimizer muon --lr 0.02".split(),
@@ -103,6 +113,21 @@ def test_duplicated_and_distributed_agree_within_reduction_order_noise() -> None
         spread = max(abs(a - b) / abs(b) for a, b in zip(duplicated, distributed, strict=True))
         print(f"\n{nproc} ranks: duplicated vs distributed, largest relative spread {spread:.1e}")
         assert spread <= RELATIVE_TOLERANCE, (duplicated, distributed)
+
+
+def test_layer_sharded_equals_duplicated_at_every_iteration_bit_for_bit() -> None:
+    # The same Muon update (each unsplit matrix orthogonalized once over the DP x TP grid instead
+    # of on every TP rank), the same strategy: grad norms at full precision and losses as logged.
+    layer_sharded, duplicated = tp2_run("layer_sharded", 4), tp2_run("duplicated", 4)
+    print(
+        f"\nlayer_sharded vs duplicated, 4 ranks: grad norms {layer_sharded.grad_norms} vs "
+        f"{duplicated.grad_norms} ({layer_sharded.wall_s:.1f} s, {duplicated.wall_s:.1f} s)"
+    )
+    assert sorted(layer_sharded.iterations) == list(range(1, NUM_ITERS + 1))
+    assert layer_sharded.grad_norms == duplicated.grad_norms
+    assert layer_sharded.series("lm loss") == duplicated.series("lm loss")
+    summary = " ".join(layer_sharded.optimizers[0]["summary"])
+    assert "tp_mode layer_sharded" in summary and "x tp (2 ranks)" in summary, summary
 
 
 def test_a_tp2_checkpoint_of_4_ranks_resumes_on_2_ranks_as_the_uninterrupted_run() -> None:

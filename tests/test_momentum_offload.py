@@ -43,7 +43,7 @@ def _offload_and_resume(rank: int, world_size: int, path: str) -> dict:
         "plain": plain,
         "offloaded": offloaded,
         "resumed": resumed,
-        "offload": muon.offload_momentum,
+        "offload": muon.fsdp_config.offload_momentum,
         "momentum_device": momentum_device,
     }
 

@@ -41,7 +41,6 @@ def test_our_flags_reach_the_fsdp_config():
         offload_momentum=True,
         bucket_size_bytes=2 * 2**20,
     )
-    assert config.sharded_muon_kwargs()["gram_half_dtype"] == "bfloat16"
     assert qk_clip_config_from_args(args) == QKClipConfig(threshold=50.0)
     with pytest.raises(ValueError, match="-3"):
         qk_clip_config_from_args(parser.parse_args(["--qk-clip-threshold=-3"]))
@@ -70,19 +69,59 @@ def test_each_flag_takes_its_default_and_choices_from_its_config_field():
         ("--muon-gram-restarts", "gram_restarts"),
         ("--muon-offload-momentum", "offload_momentum"),
         ("--muon-fsdp-overlap-buckets", "overlap_buckets"),
+        ("--muon-min-split-flops", "min_split_flops"),
     ]:
         assert actions[option].default == getattr(defaults, field)
     assert actions["--muon-fsdp-bucket-size-mb"].default * 2**20 == defaults.bucket_size_bytes
+
+
+def test_every_fsdp_config_field_with_flag_metadata_round_trips_through_its_flag():
+    # A new MuonFsdpConfig field with flag(...) metadata is a flag with no other code: parsing
+    # nothing gives the field's default, and a non-default value on the command line reaches it.
+    from dataclasses import fields
+
+    from megatron_muon import MuonFsdpConfig
+    from megatron_muon.fsdp.arguments import add_muon_args, fsdp_config_from_args
+
+    parser = add_muon_args(argparse.ArgumentParser())
+    flagged = [f.name for f in fields(MuonFsdpConfig) if "help" in f.metadata]
+    assert "custom_coefficient_sets" not in flagged  # no flag: Megatron's flags carry no triples
+    assert len(flagged) == len(fields(MuonFsdpConfig)) - 1
+    argv = [
+        "--muon-fsdp-mode=gather",
+        "--muon-fsdp-bucket-size-mb=0.5",
+        "--muon-ns-method=gram",
+        "--muon-gram-half-dtype=bfloat16",
+        "--muon-gram-restarts",
+        "2",
+        "--muon-offload-momentum",
+        "--muon-fsdp-overlap-buckets",
+        "--muon-min-split-flops=0",
+    ]
+    config = fsdp_config_from_args(parser.parse_args(argv))
+    for name in flagged:
+        assert getattr(config, name) != getattr(MuonFsdpConfig(), name), name
+    assert config.bucket_size_bytes == 2**19
+    assert not fsdp_config_from_args(
+        parser.parse_args(["--no-muon-offload-momentum"])
+    ).offload_momentum
+    with pytest.raises(ValueError, match="--muon-min-split-flops -1: min_split_flops must be >= 0"):
+        from megatron_muon.fsdp.arguments import check_muon_args
+
+        check_muon_args(parser.parse_args(["--muon-min-split-flops=-1"]))
 
 
 def test_our_copies_of_megatron_lms_muon_flags_equal_megatrons():
     from megatron.training.arguments import add_megatron_arguments
 
     from megatron_muon.fsdp.arguments import add_muon_args
+    from megatron_muon.integrations.megatron_lm_arguments import extra_args_provider
 
     ours = add_muon_args(argparse.ArgumentParser())._option_string_actions
-    megatron = add_megatron_arguments(argparse.ArgumentParser())._option_string_actions
-    copied = [o for o in ours if o.startswith("--muon-") and o in megatron]
+    parser = add_megatron_arguments(argparse.ArgumentParser())
+    stock = set(parser._option_string_actions)
+    megatron = extra_args_provider(parser)._option_string_actions  # Megatron's, as install() has it
+    copied = [o for o in ours if o.startswith("--muon-") and o in stock]
     assert len(copied) == 10  # --muon-momentum ... --muon-scalar-optimizer
     for option in copied:
         mine, theirs = ours[option], megatron[option]
@@ -91,6 +130,23 @@ def test_our_copies_of_megatron_lms_muon_flags_equal_megatrons():
         assert mine.nargs == theirs.nargs
         assert type(mine) is type(theirs), option
     assert set(ours["--optimizer"].choices) <= set(megatron["--optimizer"].choices)
+
+
+def test_megatrons_muon_tp_mode_takes_layer_sharded_which_stock_muon_is_refused():
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_muon.integrations.megatron_lm_arguments import (
+        _refuse_our_tp_modes_for_stock_muon,
+        extra_args_provider,
+    )
+
+    parser = extra_args_provider(add_megatron_arguments(argparse.ArgumentParser()))
+    args = parser.parse_args(["--optimizer", "muon", "--muon-tp-mode", "layer_sharded"])
+    assert args.muon_tp_mode == "layer_sharded"
+    # Muon without --use-megatron-fsdp is megatron-core's TensorParallelMuon: refused by name.
+    with pytest.raises(ValueError, match="--muon-tp-mode layer_sharded runs in megatron-muon"):
+        _refuse_our_tp_modes_for_stock_muon(args)
+    _refuse_our_tp_modes_for_stock_muon(parser.parse_args(["--muon-tp-mode", "duplicated"]))
 
 
 def test_on_megatrons_parser_qk_clip_follows_its_qk_clip_switch_and_threshold():

@@ -417,7 +417,7 @@ def _sharded_muon_stats(
             param.is_qkv = True
             param.qkv_split_shapes = [r // spec.query_groups for r, _ in matrix.pieces]
         params.append(param)
-    muon = ShardedMuon(
+    muon = ShardedMuon.from_keywords(
         params,
         split_qkv=True,
         is_qkv_fn=lambda p: getattr(p, "is_qkv", False),

@@ -72,7 +72,7 @@ def _sharded(params, method: str, mode: str, **extra):
 
     config = AdaptiveMuonConfig(moment2_method=method, beta2=BETA2, eps=EPS)
     kwargs = {"tp_mode": "blockwise", **KWARGS, **extra}
-    return ShardedAdaptiveMuon(params, adaptive=config, mode=mode, **kwargs)
+    return ShardedAdaptiveMuon.from_keywords(params, adaptive=config, mode=mode, **kwargs)
 
 
 def _errors(params, optimizer, reference_params, reference, starts) -> dict[str, float]:
@@ -194,10 +194,11 @@ def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> Non
 
 def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
     from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+    from megatron_muon.sharded.config import MuonFsdpConfig
 
     matrix = [torch.nn.Parameter(torch.zeros(4, 4))]
-    with pytest.raises(ValueError, match="min_split_flops"):
-        ShardedAdaptiveMuon(matrix, min_split_flops=0)
+    with pytest.raises(ValueError, match="min_split_flops=0 does not apply"):
+        ShardedAdaptiveMuon(matrix, fsdp=MuonFsdpConfig(min_split_flops=0))
     with pytest.raises(ValueError, match="namo.*decoupled"):
         ShardedAdaptiveMuon(
             matrix,

@@ -205,7 +205,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
     names = [n for n, p in wrapped.named_parameters() if p.ndim == 2]
     reference_params = [torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n in names]
     truth_params = float64_params(reference_params)
-    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     truth = Float64Muon(truth_params, **MUON_KWARGS)
     rows = {}
@@ -297,7 +297,7 @@ def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
 
     def build():
         params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
-        return params, ShardedMuon(params, offload_momentum=offload, **MUON_KWARGS)
+        return params, ShardedMuon.from_keywords(params, offload_momentum=offload, **MUON_KWARGS)
 
     def train(params, optimizer, steps, first):
         for step in range(first, first + steps):
@@ -356,7 +356,7 @@ def test_runs_in_a_single_process_without_torch_distributed():
     fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
     params = [torch.nn.Parameter(f.clone()) for f in fulls]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-    optimizer = ShardedMuon(params, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     for step in range(2):
         for i, (p, ref) in enumerate(zip(params, reference_params, strict=True)):
@@ -377,6 +377,10 @@ def test_runs_in_a_single_process_without_torch_distributed():
         ({"momentum": -0.1}, "momentum must be in [0, 1), got -0.1"),
         ({"weight_decay": -0.05}, "weight_decay must be >= 0, got -0.05"),
         ({"scale_mode": "spectrum"}, "scale_mode must be one of"),
+        ({"mode": "owners"}, "mode must be one of"),
+        ({"min_split_flops": -1}, "min_split_flops must be >= 0, got -1"),
+        ({"custom_coefficient_sets": [(3.0, -4.0, 2.0)]}, "custom_coefficient_sets is only used"),
+        ({"ns_method": "gram", "gram_restarts": (5,)}, "gram restarts must be increasing"),
     ],
 )
 def test_bad_hyperparameters_are_refused_at_construction(override, message):
@@ -384,5 +388,28 @@ def test_bad_hyperparameters_are_refused_at_construction(override, message):
     from megatron_muon import ShardedMuon
 
     with pytest.raises(ValueError) as error:
-        ShardedMuon([torch.nn.Parameter(torch.randn(8, 4))], **{**MUON_KWARGS, **override})
+        ShardedMuon.from_keywords(
+            [torch.nn.Parameter(torch.randn(8, 4))], **{**MUON_KWARGS, **override}
+        )
     assert str(error.value).startswith(message), str(error.value)
+
+
+def test_sharded_muon_takes_its_settings_as_configs_and_names_an_unknown_keyword():
+    from megatron_muon import MuonConfig, MuonFsdpConfig, ShardedMuon
+
+    params = [torch.nn.Parameter(torch.randn(8, 4))]
+    muon = ShardedMuon(params, muon=MuonConfig(split_qkv=False), fsdp=MuonFsdpConfig(mode="gather"))
+    assert (muon.fsdp_config.mode, muon.nesterov, muon.tp_mode) == ("gather", False, "blockwise")
+    assert ShardedMuon(params).muon_config == MuonConfig(split_qkv=False)
+    # from_keywords: TensorParallelMuon's defaults where a MuonConfig field is not named.
+    keyworded = ShardedMuon.from_keywords(params, momentum=0.9, mode="gather")
+    assert (keyworded.nesterov, keyworded.tp_mode, keyworded.split_qkv) == (
+        True,
+        "duplicated",
+        False,
+    )
+    assert keyworded.fsdp_config == MuonFsdpConfig(mode="gather")
+    with pytest.raises(TypeError, match="bucket_size"):
+        ShardedMuon.from_keywords(params, bucket_size=1)
+    with pytest.raises(ValueError, match="split_qkv=True needs is_qkv_fn"):
+        ShardedMuon(params, muon=MuonConfig())

@@ -56,7 +56,7 @@ def _run_hsdp(rank: int, world_size: int, mode: str) -> dict:
     params, reference_params, grad_rows = sharded_and_full(
         fulls, splits, inner, mesh, [Replicate(), Shard(0)]
     )
-    optimizer = ShardedMuon(params, mode=mode, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     truth = float64_reference(reference_params, **MUON_KWARGS)
     step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
@@ -137,7 +137,7 @@ def _run_tp_dp(rank: int, world_size: int, tp_mode: str, mode: str) -> dict:
             qkv_split_shapes=QKV_SPLIT,
         )
         kwargs = {**MUON_KWARGS, **qkv_kwargs}
-        optimizer = ShardedMuon(
+        optimizer = ShardedMuon.from_keywords(
             params,
             dp_group=pgc.dp_cp,
             mode=mode,
@@ -201,7 +201,7 @@ def _run_experts(rank: int, world_size: int, mode: str) -> dict:
     fulls = [full_tensor(s, seed=i) for i, s in enumerate(shapes)]
 
     params, reference_params, grad_rows = sharded_and_full(fulls, splits, rank, mesh, [Shard(0)])
-    optimizer = ShardedMuon(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, dp_group=expt_dp, mode=mode, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     truth = float64_reference(reference_params, **MUON_KWARGS)
     step_both(params, reference_params, optimizer, reference, grad_rows, 3, truth)
@@ -302,7 +302,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     reference_params = [
         torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n, _ in named
     ]
-    optimizer = ShardedMuon(params, dp_group=hsdp_group, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, dp_group=hsdp_group, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     truth = float64_reference(reference_params, **MUON_KWARGS)
 
@@ -376,7 +376,7 @@ def _run_split_plan(rank: int, world_size: int, case: str, mode: str) -> dict:
             is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
             qkv_split_shapes=qkv_split,
         )
-    optimizer = ShardedMuon(params, mode=mode, min_split_flops=0, **kwargs)
+    optimizer = ShardedMuon.from_keywords(params, mode=mode, min_split_flops=0, **kwargs)
     reference = TensorParallelMuon(reference_params, **kwargs)
     truth = float64_reference(reference_params, **kwargs)
     step_both(params, reference_params, optimizer, reference, grad_rows, 2, truth)

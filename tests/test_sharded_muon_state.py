@@ -49,7 +49,7 @@ def test_a_param_added_with_add_param_group_gets_state_and_matches_tensor_parall
     from megatron_muon import ShardedMuon
 
     params, reference_params = _plain_params(), _plain_params()
-    optimizer = ShardedMuon(params[:2], **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params[:2], **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params[:2], **MUON_KWARGS)
     _step_both(optimizer, reference, params[:2], reference_params[:2], step=0)
     optimizer.add_param_group({"params": [params[2]], "lr": 0.01})
@@ -73,7 +73,7 @@ def test_a_tensor_parallel_muon_state_dict_without_a_momentum_loads_and_steps_li
 
     params = [torch.nn.Parameter(p.detach().clone()) for p in saved_params]
     reference_params = [torch.nn.Parameter(p.detach().clone()) for p in saved_params]
-    optimizer = ShardedMuon(params, **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params, **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params, **MUON_KWARGS)
     # Copies: load_state_dict keeps the saved tensors themselves, which both would then update.
     optimizer.load_state_dict(copy.deepcopy(state_dict))
@@ -94,7 +94,7 @@ def _add_group_on_ranks(rank: int, world_size: int) -> dict:
     fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
     params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, splits, strict=True)]
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
-    optimizer = ShardedMuon(params[:2], **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords(params[:2], **MUON_KWARGS)
     reference = TensorParallelMuon(reference_params[:2], **MUON_KWARGS)
     for step in range(3):
         if step == 1:
@@ -128,14 +128,16 @@ def test_complex_and_non_matrix_params_are_refused_by_position(param, message):
     from megatron_muon import ShardedMuon
 
     with pytest.raises(ValueError, match=message):
-        ShardedMuon([torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(param)])
+        ShardedMuon.from_keywords(
+            [torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(param)]
+        )
 
 
 def test_a_refused_param_group_leaves_the_optimizer_unchanged_and_names_the_param():
     from megatron_muon import ShardedMuon
 
     first = ("linear_fc1.weight", torch.nn.Parameter(torch.zeros(4, 4)))
-    optimizer = ShardedMuon([first], **MUON_KWARGS)
+    optimizer = ShardedMuon.from_keywords([first], **MUON_KWARGS)
     added = [
         ("linear_fc2.weight", torch.nn.Parameter(torch.zeros(3, 3))),
         ("rotary.weight", torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))),

@@ -4,7 +4,8 @@
 around the tiny GPTModel (QKV split over GQA query groups), ``build_muon_optimizer``, 3 steps
 (``tests/tp_parity.py``): dense TP = 2, and experts with expert TP = 2 (``expt_tp``; MoE with
 TP > 1 needs sequence parallelism, which the CPU-only local spec lacks). One launch trains every
-case at TP x DP2 (4 ranks), one at TP x DP1 (2 ranks), for each tp_mode.
+case at TP x DP2 (4 ranks), one at TP x DP1 (2 ranks), for each tp_mode; ``layer_sharded`` is
+also compared with ``duplicated`` bit for bit (the same NS of the same unsplit matrices).
 
 Numerics (fp32, ``muon_fp32_matmul_prec="highest"``), measured on the pinned stack:
 
@@ -129,6 +130,27 @@ def test_tensor_parallel_dp2_equals_dp1(dp2, dp1, case):
     )
 
 
+@pytest.mark.parametrize("world", ["dp2", "dp1"])
+@pytest.mark.parametrize("parallelism", [DENSE_TP2, EXPERT_TP2], ids=["dense", "experts"])
+def test_layer_sharded_is_duplicated_bitwise_with_its_ns_spread_over_the_dp_x_tp_grid(
+    request, world, parallelism
+):
+    runs = request.getfixturevalue(world)["runs"]
+    duplicated = runs[CASES.index((parallelism, "duplicated"))]
+    layer_sharded = runs[CASES.index((parallelism, "layer_sharded"))]
+    # The same unsplit matrices through the same NS: the same bits, not a tolerance.
+    for name in duplicated[0]["final"]:
+        assert torch.equal(_final(layer_sharded, name), _final(duplicated, name)), name
+    for a, b in zip(layer_sharded[0]["stats"], duplicated[0]["stats"], strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    # Each matrix orthogonalized once over the grid, not once per TP rank: the busiest rank's NS
+    # is about half of duplicated's at TP = 2 (the tiny GPT: 0.50 to 0.53, measured).
+    busiest = max(r["ns_flops"] for r in layer_sharded)
+    ratio = busiest / max(r["ns_flops"] for r in duplicated)
+    print(f"\nlayer_sharded / duplicated NS FLOPs of the busiest rank: {ratio:.3f}")
+    assert ratio <= 0.55, [(r["ns_flops"]) for r in layer_sharded + duplicated]
+
+
 def test_process_groups_that_do_not_match_the_dtensors_are_refused_at_build(dp2):
     # Rank 0 of TP = 2 x DP = 2: dp_cp = ranks [0, 2], tp = ranks [0, 1].
     errors = dp2["errors"]
@@ -141,4 +163,9 @@ def test_process_groups_that_do_not_match_the_dtensors_are_refused_at_build(dp2)
         "is split over tensor-parallel ranks [0, 1], but tp_mode='duplicated' would run its TP "
         "collectives over pg_collection.tp = ranks [0, 2]" in errors["tp is dp_cp"]
     )
-    assert "along dim 0, but its partition_dim is 1" in errors["qkv partition_dim 1"]
+    for mode in ("duplicated", "layer_sharded"):
+        error = errors[f"qkv partition_dim 1, {mode}"]
+        assert "along dim 0, but its partition_dim is 1" in error, error
+        assert f"tp_mode={mode!r} joins the TP blocks along partition_dim" in error, error
+        # Named by the factory: position and name in the Muon optimizer's params.
+        assert "layers.0.self_attention.linear_qkv.weight) of shape (128, 64)" in error, error

@@ -29,9 +29,14 @@ import torch.distributed as dist
 from tests import gpt_parity
 from tests.gpt_parity import Run
 
-TP_MODES = ("blockwise", "duplicated", "distributed")
-# The exchange: owner-compute for two modes, the gather reference for one.
-FSDP_MODE = {"blockwise": "owner", "duplicated": "owner", "distributed": "gather"}
+TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded")
+# The exchange: owner-compute for three modes, the gather reference for one.
+FSDP_MODE = {
+    "blockwise": "owner",
+    "duplicated": "owner",
+    "distributed": "gather",
+    "layer_sharded": "owner",
+}
 NUM_STEPS = 3
 NUM_QUERY_GROUPS = 2
 QKV_SPLIT = [32, 16, 16]  # per query group: 2 query heads x 16, one key head, one value head
@@ -129,17 +134,18 @@ def _group_mismatch_errors() -> dict[str, str]:
         p for n, p in wrapped.named_parameters() if n.endswith("0.self_attention.linear_qkv.weight")
     )
     qkv.partition_dim = 1
-    try:
-        build_muon_optimizer(config, [wrapped])
-    except ValueError as error:
-        errors["qkv partition_dim 1"] = str(error)
+    for mode in ("duplicated", "layer_sharded"):
+        try:
+            build_muon_optimizer(gpt_parity.optimizer_config(muon_tp_mode=mode), [wrapped])
+        except ValueError as error:
+            errors[f"qkv partition_dim 1, {mode}"] = str(error)
     return errors
 
 
 def _train(parallelism: Parallelism, tp_mode: str) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_muon import MuonFsdpConfig, QKClipConfig, build_muon_optimizer
+    from megatron_muon import MuonFsdpConfig, QKClipConfig, ShardedMuon, build_muon_optimizer
 
     model = gpt_parity.build_gpt(parallelism.moe, **parallelism.config())
     wrapped = gpt_parity.wrap(model, Run("mcore", "optim_grads_params"), dist.get_world_size())
@@ -178,7 +184,10 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
             {"loss": float(mean_loss), "grad_norm": float(grad_norm), "clipped_heads": clipped}
         )
     routing = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
+    muons = [o for o in optimizer.chained_optimizers if isinstance(o.optimizer, ShardedMuon)]
     return {
+        # This rank's NS FLOPs in the last step (every Muon: dense and expert).
+        "ns_flops": sum(o.optimizer.step_stats.ns_flops for o in muons),
         "initial": initial,
         "grads": grads,
         "final": {n: _piece(p, p) for n, p in named.items()},

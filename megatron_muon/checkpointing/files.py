@@ -55,10 +55,12 @@ __all__ = [
     "FORMAT_VERSION",
     "INCOMPLETE_SUFFIX",
     "MARKER_NAME",
+    "METADATA_NAME",
     "REPLACED_SUFFIX",
     "UNHASHED_VERSION",
     "check_shared_directory",
     "create_directory",
+    "describe_files",
     "hashes_recorded",
     "publish",
     "read_marker",
@@ -133,30 +135,39 @@ def _describe_share(directory: str, names: list[str]) -> dict[str, dict[str, Any
     return described
 
 
+def describe_files(directory: str) -> dict[str, dict[str, Any]]:
+    """``.metadata`` and every data file it references -> size and SHA-256. Collective.
+
+    Rank 0 reads the names from DCP's metadata; each rank hashes every world_size-th file. Every
+    rank returns the whole listing, or raises the same error (a file missing, unreadable).
+    """
+    error: BaseException | None = None
+    names = None
+    if dist.get_rank() == 0:
+        try:
+            names = _referenced_files(directory)
+        except OSError as caught:
+            error = caught
+    names = agree(error, names)[0]
+    error, share = None, {}
+    try:
+        share = _describe_share(directory, names)
+    except (OSError, CheckpointError) as caught:
+        error = caught
+    shares = agree(error, share)
+    return dict(sorted((name, entry) for part in shares for name, entry in part.items()))
+
+
 def publish(path: str, manifest: dict[str, Any], overwrite: bool) -> None:
     """Marker, then ``<path>.incomplete`` -> ``<path>``, once DCP has written. Collective.
 
     Raises on every rank when a file DCP's metadata references is missing or the rename fails.
     """
     temporary = path + INCOMPLETE_SUFFIX
+    files = describe_files(temporary)
     error: BaseException | None = None
-    names = None
     if dist.get_rank() == 0:
         try:
-            names = _referenced_files(temporary)
-        except OSError as caught:
-            error = caught
-    names = agree(error, names)[0]
-    error, share = None, {}
-    try:
-        share = _describe_share(temporary, names)
-    except (OSError, CheckpointError) as caught:
-        error = caught
-    shares = agree(error, share)
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            files = {name: entry for part in shares for name, entry in part.items()}
             _write_marker(temporary, {**manifest, "files": dict(sorted(files.items()))})
             _rename_into_place(temporary, path, overwrite)
         except OSError as caught:

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 __all__ = [
     "FsdpModeT",
+    "FsdpOptimizerT",
     "GramHalfDtypeT",
     "MegatronMatmulPrecT",
     "MegatronOptimizerT",
@@ -25,8 +26,11 @@ __all__ = [
 
 # Where Newton-Schulz runs on Megatron-FSDP's row shards (``--muon-fsdp-mode``).
 FsdpModeT = Literal["owner", "gather"]
-# How TensorParallelMuon treats a tensor-parallel matrix (``--muon-tp-mode``).
-TpModeT = Literal["blockwise", "duplicated", "distributed"]
+# How a tensor-parallel matrix is orthogonalized (``--muon-tp-mode``): TensorParallelMuon's three
+# modes, and "layer_sharded" (megatron-muon's; Megatron-LM's name from its open PR): each unsplit
+# matrix orthogonalized once over the whole DP x TP grid (``sharded.tp_grid``), never given to
+# TensorParallelMuon.
+TpModeT = Literal["blockwise", "duplicated", "distributed", "layer_sharded"]
 # Muon's update scale (``--muon-scale-mode``; emerging-optimizers' ``get_muon_scale_factor``).
 MuonScaleT = Literal["spectral", "unit_rms_norm", "shape_scaling"]
 # The optimizer of the params Muon does not take (``--muon-scalar-optimizer``).
@@ -36,7 +40,10 @@ GramHalfDtypeT = Literal["float16", "bfloat16"]
 # Megatron-LM's --muon-fp32-matmul-prec values (``ShardedMuon`` also takes torch's "highest").
 MegatronMatmulPrecT = Literal["low", "medium", "high"]
 # The --optimizer values our copy of Megatron-LM's flag offers (megatron-core 0.19.2 lists more).
-MegatronOptimizerT = Literal["adam", "sgd", "muon"]
+MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
+# The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
+# (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
+FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion"]
 
 
 def check_choice(name: str, value: Any, alias: Any) -> None:

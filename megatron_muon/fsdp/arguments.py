@@ -3,12 +3,15 @@
 ``add_muon_args(parser)`` has the shape of Megatron's ``extra_args_provider`` (takes a parser,
 returns it). It adds
 
-- megatron-muon's own flags, one per ``MuonFsdpConfig`` field (``--muon-<field>``, or
-  ``--muon-fsdp-<field>`` for ``mode`` and ``overlap_buckets``; ``bucket_size_bytes`` is
-  ``--muon-fsdp-bucket-size-mb``): each flag's default is the field's, its choices the field's
-  ``Literal`` values (``megatron_muon.common.options``); and
+- megatron-muon's own flags, one per ``MuonFsdpConfig`` field with ``flag(...)`` metadata, derived
+  from the field (``_fsdp_flag_kwargs``): the name ``--muon-<field>`` unless the metadata names
+  another (``--muon-fsdp-mode``, ``--muon-fsdp-overlap-buckets``, ``--muon-fsdp-bucket-size-mb``),
+  the field's default, its ``Literal`` values as choices (``megatron_muon.common.options``), its
+  help; a field with a ``unit`` is a float flag in that unit (MiB for ``bucket_size_bytes``); and
 - Megatron-LM's Muon flags (``--optimizer`` and ``--muon-<field>`` for each ``MuonConfig`` field)
-  with Megatron-LM's names, choices and defaults, **only where the parser lacks them**: on
+  with Megatron-LM's names, choices and defaults, and ``--adaptive-muon-<field>`` for each
+  ``AdaptiveMuonConfig`` field (``OptimizerConfig.adaptive_muon_*``, which Megatron-LM 0.19.2's
+  parser has no flag for), **only where the parser lacks them**: on
   Megatron's own parser (``megatron.training.arguments``) they already exist and are left alone, so
   the same function serves Megatron-LM's loop and a parser of our own.
 
@@ -34,65 +37,33 @@ QK-clip (MuonClip, ``megatron_muon.fsdp.qk_clip``) is switched on by a threshold
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 
-__all__ = ["add_muon_args", "check_muon_args", "fsdp_config_from_args", "qk_clip_config_from_args"]
+__all__ = [
+    "add_muon_args",
+    "add_optimizer_config_flags",
+    "check_muon_args",
+    "fsdp_config_from_args",
+    "qk_clip_config_from_args",
+]
 
 _GROUP_TITLE = "megatron-muon"
-_MIB = 2**20
 _FSDP_DEFAULTS = MuonFsdpConfig()
 _MUON_DEFAULTS = MuonConfig()
-
-# Our flags, by the ``MuonFsdpConfig`` field each sets: argparse's keywords but default and choices
-# (the field's). The flag is ``--muon-<field>`` unless ``_FSDP_FLAG_NAMES`` names it.
-_FSDP_FLAGS: dict[str, dict[str, Any]] = {
-    "mode": dict(
-        help="Where Newton-Schulz runs on Megatron-FSDP shards: 'owner' orthogonalizes each full "
-        "matrix once, on one owner rank (NS work ~ 1/DP per rank); 'gather' on every rank."
-    ),
-    "bucket_size_bytes": dict(
-        type=float,
-        help="Bound (MiB of fp32) on the full matrices one rank holds at once for Newton-Schulz "
-        "(matrices are exchanged and orthogonalized bucket by bucket); a bound above the model's "
-        "matrices gives one bucket.",
-    ),
-    "ns_method": dict(
-        help="Newton-Schulz iteration: 'standard' (megatron-core's), 'gram' (Gram "
-        "Newton-Schulz) or 'symmetric' (the standard iteration, its symmetric products by halves: "
-        "12-17%% fewer FLOPs; never split over ranks)."
-    ),
-    "gram_half_dtype": dict(
-        help="Gram Newton-Schulz matmul dtype under --muon-fp32-matmul-prec medium (fp32 under "
-        "high/highest). bfloat16 where fp16 matmuls are slow (CPUs)."
-    ),
-    "gram_restarts": dict(
-        type=int,
-        nargs="+",
-        help="Gram Newton-Schulz: iterations after which X and X X^T are rebuilt (each in "
-        "[1, --muon-num-ns-steps), increasing); default: the method's own for the dtype.",
-    ),
-    "offload_momentum": dict(
-        action="store_true", help="Keep Muon momentum in CPU memory between optimizer steps."
-    ),
-    "overlap_buckets": dict(
-        action=argparse.BooleanOptionalAction,
-        help="Owner mode: exchange the next bucket while this one runs Newton-Schulz "
-        "(two buckets' full matrices held at once; the same updates).",
-    ),
+# Our flags: the ``MuonFsdpConfig`` fields with ``flag(...)`` metadata (help, name, unit).
+_FSDP_FLAGS: dict[str, Mapping[str, Any]] = {
+    f.name: f.metadata for f in fields(MuonFsdpConfig) if "help" in f.metadata
 }
-_FSDP_FLAG_NAMES = {
-    "mode": "--muon-fsdp-mode",
-    "bucket_size_bytes": "--muon-fsdp-bucket-size-mb",  # in MiB, the field in bytes
-    "overlap_buckets": "--muon-fsdp-overlap-buckets",
-}
-assert set(_FSDP_FLAGS) == {f.name for f in fields(MuonFsdpConfig)}, "a flag per field"
 
 # Where Megatron-LM's parser (core_r0.19.0 megatron/training/arguments.py) differs from the rule
 # ``--muon-<field>``, ``MuonConfig``'s default and the field's Literal choices.
@@ -101,7 +72,9 @@ _MEGATRON_CHOICES = {"fp32_matmul_prec": get_args(MegatronMatmulPrecT)}
 
 
 def _option(field: str) -> str:
-    return _FSDP_FLAG_NAMES.get(field, "--muon-" + field.replace("_", "-"))
+    """The flag of a ``MuonFsdpConfig`` field: its metadata's ``option``, else
+    ``--muon-<field>``."""
+    return _FSDP_FLAGS[field].get("option") or "--muon-" + field.replace("_", "-")
 
 
 def _dest(option: str) -> str:
@@ -116,6 +89,29 @@ def _choices(config: type, field: str) -> tuple[str, ...] | None:
     return get_args(hint) if get_origin(hint) is Literal else None
 
 
+def _fsdp_flag_kwargs(field: str) -> dict[str, Any]:
+    """argparse's keywords for a ``MuonFsdpConfig`` field's flag, from the field's type, default
+    and metadata: a ``Literal`` gives choices, ``bool`` an on/off pair (``--no-...``),
+    ``tuple[int, ...]`` a list, a ``unit`` a float in that unit."""
+    metadata = _FSDP_FLAGS[field]
+    default = getattr(_FSDP_DEFAULTS, field)
+    kwargs: dict[str, Any] = dict(help=metadata["help"], default=default)
+    hint = get_type_hints(MuonFsdpConfig)[field]
+    kinds = [kind for kind in get_args(hint) if kind is not type(None)] if get_args(hint) else []
+    kind = kinds[0] if get_origin(hint) in (Union, UnionType) and len(kinds) == 1 else hint
+    if metadata.get("unit"):
+        kwargs.update(type=float, default=None if default is None else default / metadata["unit"])
+    elif get_origin(kind) is Literal:
+        kwargs.update(type=str, choices=get_args(kind))
+    elif kind is bool:
+        kwargs.update(action=argparse.BooleanOptionalAction)
+    elif get_origin(kind) is tuple:
+        kwargs.update(type=get_args(kind)[0], nargs="+")
+    else:
+        kwargs.update(type=kind)
+    return kwargs
+
+
 def _has_option(parser: argparse.ArgumentParser, option: str) -> bool:
     return option in parser._option_string_actions
 
@@ -124,13 +120,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds megatron-muon's flags (and Megatron-LM's Muon flags where missing) to ``parser``."""
     group = parser.add_argument_group(title=_GROUP_TITLE)
     _add_megatron_muon_flags(parser, group)
-    for field, kwargs in _FSDP_FLAGS.items():
-        default = getattr(_FSDP_DEFAULTS, field)
-        if field == "bucket_size_bytes":
-            default = default / _MIB
-        if choices := _choices(MuonFsdpConfig, field):
-            kwargs = {**kwargs, "choices": choices}
-        group.add_argument(_option(field), default=default, **kwargs)
+    for field in _FSDP_FLAGS:
+        group.add_argument(_option(field), **_fsdp_flag_kwargs(field))
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
         group.add_argument(
@@ -154,28 +145,55 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _add_megatron_muon_flags(
     parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
 ) -> None:
-    """Megatron-LM's Muon flags, where missing: ``--optimizer`` and ``--muon-<field>`` per
-    ``MuonConfig`` field (a bool defaulting to True as ``--muon-no-<field>``)."""
+    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--muon-<field>`` per
+    ``MuonConfig`` field and ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field."""
     if not _has_option(parser, "--optimizer"):
         group.add_argument(
             "--optimizer", type=str, default="adam", choices=get_args(MegatronOptimizerT)
         )
-    hints = get_type_hints(MuonConfig)
-    for field in fields(MuonConfig):
+    add_optimizer_config_flags(
+        parser, group, MuonConfig, "muon", defaults=_MEGATRON_DEFAULTS, choices=_MEGATRON_CHOICES
+    )
+    # megatron-core's OptimizerConfig has adaptive_muon_*, Megatron-LM's parser no flag for them.
+    add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
+
+
+def add_optimizer_config_flags(
+    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
+    config: type,
+    prefix: str,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+) -> None:
+    """Flags for a dataclass mirroring ``OptimizerConfig.<prefix>_<field>`` fields, in
+    Megatron-LM's style, each added only where ``parser`` lacks it.
+
+    One flag per field: ``--<prefix>-<field>`` (dest ``<prefix>_<field>``, the name
+    ``OptimizerConfig`` and ``from_optimizer_config`` read), the field's default (or
+    ``defaults[field]``), its ``Literal`` values as choices (or ``choices[field]``); a bool
+    defaulting to True is ``--<prefix>-no-<field>`` (``store_false``), as Megatron spells them;
+    the help is the field's ``metadata["help"]`` where it has one.
+    """
+    hints = get_type_hints(config)
+    base = config()
+    dashed = prefix.replace("_", "-")
+    for field in fields(config):
         name = field.name
-        default = _MEGATRON_DEFAULTS.get(name, getattr(_MUON_DEFAULTS, name))
-        option = "--muon-" + name.replace("_", "-")
+        default = (defaults or {}).get(name, getattr(base, name))
+        option = f"--{dashed}-" + name.replace("_", "-")
         kwargs: dict[str, Any]
         if hints[name] is bool:
             action = "store_false" if default else "store_true"
-            option = "--muon-no-" + name.replace("_", "-") if default else option
-            kwargs = dict(action=action, dest=f"muon_{name}", default=default)
+            option = f"--{dashed}-no-" + name.replace("_", "-") if default else option
+            kwargs = dict(action=action, dest=f"{prefix}_{name}", default=default)
         else:
-            choices = _MEGATRON_CHOICES.get(name) or _choices(MuonConfig, name)
-            kind = str if choices else hints[name]
-            kwargs = dict(type=kind, default=default, choices=choices)
+            allowed = (choices or {}).get(name) or _choices(config, name)
+            kind = str if allowed else hints[name]
+            kwargs = dict(type=kind, default=default, choices=allowed)
         if not _has_option(parser, option):
-            group.add_argument(option, **kwargs)
+            group.add_argument(option, help=field.metadata.get("help"), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,22 +206,22 @@ def fsdp_config_from_args(args: argparse.Namespace) -> MuonFsdpConfig:
     absent).
 
     Raises:
-        ValueError: a bad value; ``--muon-fsdp-bucket-size-mb`` named where it rounds to less
-            than one byte.
+        ValueError: a bad value; a flag with a unit (``--muon-fsdp-bucket-size-mb``) named where
+            it rounds to less than one (byte).
     """
-    values = {
-        field: getattr(args, _dest(_option(field)))
-        for field in _FSDP_FLAGS
-        if hasattr(args, _dest(_option(field)))
-    }
-    bucket_mb = values.get("bucket_size_bytes")
-    if bucket_mb is not None:
-        values["bucket_size_bytes"] = int(bucket_mb * _MIB)
-        if values["bucket_size_bytes"] < 1:
-            raise ValueError(
-                f"{_option('bucket_size_bytes')} must be positive (at least one byte), "
-                f"got {bucket_mb}"
-            )
+    values = {}
+    for field, metadata in _FSDP_FLAGS.items():
+        dest = _dest(_option(field))
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if metadata.get("unit") and value is not None:
+            value, flagged = int(value * metadata["unit"]), value
+            if value < 1:
+                raise ValueError(
+                    f"{_option(field)} must be positive (at least one {field} unit), got {flagged}"
+                )
+        values[field] = value
     return MuonFsdpConfig(**values)
 
 
@@ -278,4 +296,11 @@ def check_muon_args(args: argparse.Namespace) -> None:
             build(value)
         except ValueError as error:
             raise ValueError(f"{flag} {value}: {error}") from None
-    fsdp_config_from_args(args)  # the megatron-muon flags, together; names the bucket flag
+    try:
+        fsdp_config_from_args(args)  # the megatron-muon flags, together; names a flag with a unit
+    except ValueError as error:  # MuonFsdpConfig's messages start with the field's name
+        field = str(error).split(" ", 1)[0]
+        if field not in _FSDP_FLAGS:
+            raise
+        option = _option(field)
+        raise ValueError(f"{option} {getattr(args, _dest(option))}: {error}") from None

@@ -1,14 +1,20 @@
-"""``build_muon_optimizer``: Muon + AdamW (or Lion) for model chunks wrapped by Megatron-FSDP.
+"""``build_muon_optimizer``: Muon + AdamW (or Lion), or Lion alone, for Megatron-FSDP chunks.
 
-What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` meets
-Megatron-FSDP (alias ``get_megatron_muon_optimizer``, same signature). It returns the final
-optimizer: an ``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its
-subclass ``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip,
-around an ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
+What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` (or
+``"lion"``, the values of ``common.options.FsdpOptimizerT``) meets Megatron-FSDP (alias
+``get_megatron_muon_optimizer``, same signature). It returns the final optimizer: an
+``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its subclass
+``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip, around an
+``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
 
 - ``ShardedMuon`` for dense matrices, rows sharded over ``pg_collection.dp_cp``;
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
-- AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else.
+- AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else;
+
+or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its Lion
+(``lion_beta1``/``lion_beta2``) for the matrices Muon would take, AdamW for the rest. Lion's
+update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
+of a param steps nothing there; its state exists all the same).
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -27,23 +33,21 @@ which rank holds rows, and a zero-grad step would apply weight decay.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
-from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig, ParamKey
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
-from megatron_muon.common.options import ScalarOptimizerT
+from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
+from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
 from megatron_muon.fsdp.process_groups import (
     describe_groups,
     resolve_pg_collection,
@@ -62,21 +66,25 @@ from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.tensor_parallel import check_param_meshes
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 
 #: ``build_muon_optimizer(ckpt_format=...)``: the checkpoint format of the optimizer's state.
 CkptFormatT = Literal["fsdp_dtensor"]
 
-# Optimizer names this factory builds (``OptimizerConfig.optimizer``) -> the matrix optimizer.
-_MUON_OPTIMIZERS: dict[str, type] = {"muon": ShardedMuon, "adaptive_muon": ShardedAdaptiveMuon}
-# The matrix optimizer's own keywords from ``OptimizerConfig`` beyond Muon's.
-_EXTRA_KWARGS: dict[str, Callable[[OptimizerConfig], dict[str, Any]]] = {
-    "muon": lambda config: {},
-    "adaptive_muon": lambda config: {"adaptive": AdaptiveMuonConfig.from_optimizer_config(config)},
+# ``OptimizerConfig.optimizer`` values this factory builds -> the optimizer of the matrices, or
+# None for an elementwise one: megatron-core's own class (its standard path, the one
+# ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
+# element: decoupled decay, the sign of an interpolation of momentum and grad).
+_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | None] = {
+    "muon": ShardedMuon,
+    "adaptive_muon": ShardedAdaptiveMuon,
+    "lion": None,
 }
+assert set(_MATRIX_OPTIMIZERS) == set(get_args(FsdpOptimizerT)), "a builder per FsdpOptimizerT"
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
-_SCALAR_OPTIMIZER_NAMES: dict[ScalarOptimizerT, str] = {"adam": "AdamW", "lion": "Lion"}
+_SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
 _STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
     None: FsdpStepWrapper,
@@ -100,12 +108,14 @@ def build_muon_optimizer(
     ckpt_format: CkptFormatT | None = None,
     stop_on_nonfinite_grad_norm: bool | None = None,
 ) -> FsdpStepWrapper:
-    """Builds exact Muon (+ AdamW/Lion) for model chunks wrapped by Megatron-FSDP. Collective.
+    """Builds exact Muon (+ AdamW/Lion), or Lion, for model chunks wrapped by Megatron-FSDP.
+
+    Collective.
 
     Args:
-        config: megatron-core ``OptimizerConfig`` with ``optimizer="muon"``: its ``muon_*`` fields,
-            lr / min_lr / decoupled_lr, weight_decay, adam betas/eps or lion betas, clip_grad,
-            bf16 (fp16 is refused), log_num_zeros_in_grad.
+        config: megatron-core ``OptimizerConfig`` with ``optimizer="muon"`` (its ``muon_*``
+            fields) or ``"lion"``; lr / min_lr / decoupled_lr, weight_decay, adam betas/eps or
+            lion betas, clip_grad, bf16 (fp16 is refused), log_num_zeros_in_grad.
         model_chunks: megatron-core ``FullyShardedDataParallel`` or ``MegatronFSDP`` modules (either
             copy of the class), built right after wrapping: their params must be Megatron-FSDP's
             optimizer params (DTensors), not the compute weights swapped in during forward.
@@ -147,10 +157,15 @@ def build_muon_optimizer(
     _check_config(config)
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)
-    muon_config = MuonConfig.from_optimizer_config(config)
+    # Muon's flags are read (and checked) only where Muon is built.
+    with_muon = _MATRIX_OPTIMIZERS[config.optimizer] is not None
+    muon_config = MuonConfig.from_optimizer_config(config) if with_muon else None
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
-    routing = route_params(chunks, config, config_overrides, muon_config.scalar_optimizer)
+    # The rest: muon_scalar_optimizer beside Muon; Adam beside another emerging optimizer, as
+    # megatron-core's default emerging-optimizer entry routes it.
+    scalar_name = muon_config.scalar_optimizer if muon_config is not None else "adam"
+    routing = route_params(chunks, config, config_overrides, scalar_name, config.optimizer)
     optimizers, summary = _sub_optimizers(
         config, muon_config, fsdp_config, routing, chunks, fsdp_modules, pg_collection
     )
@@ -190,16 +205,17 @@ get_megatron_muon_optimizer = build_muon_optimizer
 
 
 def _check_config(config: OptimizerConfig) -> None:
-    if config.optimizer not in _MUON_OPTIMIZERS:
+    if config.optimizer not in _MATRIX_OPTIMIZERS:
         raise ValueError(
-            f"megatron-muon builds optimizer(s) {sorted(_MUON_OPTIMIZERS)} for Megatron-FSDP, got "
-            f"optimizer={config.optimizer!r}; use megatron.core.optimizer.get_megatron_optimizer "
-            "for other optimizers"
+            f"megatron-muon builds optimizer(s) {sorted(_MATRIX_OPTIMIZERS)} for Megatron-FSDP, "
+            f"got optimizer={config.optimizer!r}; use "
+            "megatron.core.optimizer.get_megatron_optimizer for other optimizers"
         )
     if config.fp16:
         raise ValueError(
-            "Muon with fp16 is not supported (as in megatron-core): loss scaling and fp16 master "
-            "weights do not apply to Megatron-FSDP's fp32 main params. Use bf16 or fp32."
+            f"{config.optimizer} with fp16 is not supported (as in megatron-core's emerging "
+            "optimizers): loss scaling and fp16 master weights do not apply to Megatron-FSDP's "
+            "fp32 main params. Use bf16 or fp32."
         )
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set")
@@ -228,23 +244,28 @@ def _check_step_wrapper_options(
 
 def _sub_optimizers(
     config: OptimizerConfig,
-    muon_config: MuonConfig,
+    muon_config: MuonConfig | None,
     fsdp_config: MuonFsdpConfig,
     routing: Routing,
     chunks: list[torch.nn.Module],
     fsdp_modules: list[Any],
     pg_collection: ProcessGroupCollection | None,
 ) -> tuple[list[MegatronOptimizer], list[str]]:
-    """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries."""
-    scalar_name = muon_config.scalar_optimizer
-    by_target = param_groups_by_optimizer(chunks, config, routing)
+    """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries.
 
+    ``muon_config`` None: an elementwise matrix optimizer (``routing.matrix_optimizer``, Lion):
+    megatron-core's own class over the dense and expert matrices' row shards together.
+    """
+    by_target = param_groups_by_optimizer(chunks, config, routing)
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
     strategy = strategy_name(fsdp_modules)
+    names = [routing.scalar_optimizer]
+    if muon_config is None:
+        names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
-        groups = by_target.get(("muon", is_expert))
-        if groups:
+        groups = by_target.get((routing.matrix_optimizer, is_expert))
+        if groups and muon_config is not None:
             muon, line = _muon_optimizer(
                 config,
                 muon_config,
@@ -260,14 +281,15 @@ def _sub_optimizers(
                 f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
                 f"tp_mode {muon_config.tp_mode}"
             )
-    scalar_groups = by_target.get((scalar_name, False), []) + by_target.get((scalar_name, True), [])
-    if scalar_groups:
-        scalar, init_state_fn = _scalar_optimizer(config, chunks, scalar_groups, scalar_name)
-        optimizers.append(_wrap(scalar, config, init_state_fn, pg_collection))
-        summary.append(
-            f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[scalar_name]}: {_count(scalar_groups)}, "
-            f"strategy {strategy}"
-        )
+    for name in names:
+        groups = by_target.get((name, False), []) + by_target.get((name, True), [])
+        if groups:
+            optimizer, init_state_fn = megatron_core_optimizer(config, chunks, groups, name)
+            optimizers.append(_wrap(optimizer, config, init_state_fn, pg_collection))
+            summary.append(
+                f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[name]}: {_count(groups)}, "
+                f"strategy {strategy}"
+            )
     return optimizers, summary
 
 
@@ -283,17 +305,28 @@ def _muon_optimizer(
 ) -> tuple[FP32Optimizer, str]:
     """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
     dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
-    muon = _MUON_OPTIMIZERS[config.optimizer](
+    # Refused here naming the param (ShardedMuon's own check knows positions and shapes only).
+    params = [p for group in groups for p in group["params"]]
+    names = {id(p): n for module in fsdp_modules for n, p in module.named_parameters()}
+    tp_mode = muon_config.tp_mode
+    check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
+    optimizer_class = _MATRIX_OPTIMIZERS[config.optimizer]
+    assert optimizer_class is not None, "Muon params only in a Muon run (_sub_optimizers)"
+    # The matrix optimizer's own settings beyond Muon's, from ``OptimizerConfig``.
+    extra: dict[str, Any] = {}
+    if optimizer_class is ShardedAdaptiveMuon:
+        extra["adaptive"] = AdaptiveMuonConfig.from_optimizer_config(config)
+    muon = optimizer_class(
         groups,
         lr=config.lr,
         weight_decay=config.weight_decay,
+        muon=muon_config,
+        fsdp=fsdp_config,
+        dp_group=dp_group,
+        pg_collection=pg_collection,
         is_qkv_fn=is_qkv,
         qkv_split_shapes=qkv_split_shapes,
-        pg_collection=pg_collection,
-        dp_group=dp_group,
-        **muon_config.tensor_parallel_muon_kwargs(),
-        **fsdp_config.sharded_muon_kwargs(),
-        **_EXTRA_KWARGS[config.optimizer](config),
+        **extra,
     )
     kind = "expert" if is_expert else "dense"
     name = "Muon"
@@ -330,43 +363,6 @@ def _qk_clip(
     group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
     tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)
-
-
-def _scalar_optimizer(
-    config: OptimizerConfig, chunks: list[torch.nn.Module], groups: list[dict], name: str
-) -> tuple[torch.optim.Optimizer, Callable]:
-    """megatron-core's AdamW / Lion over ``groups``, with state created for every param now."""
-    scalar_config = copy.copy(config)
-    scalar_config.optimizer = name
-    scalar_config.use_distributed_optimizer = False
-    optimizer, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
-        config=scalar_config,
-        model_chunks=chunks,
-        param_groups=groups,
-        skip_megatron_wrapping=True,
-    )
-    _foreach_on_every_device(optimizer)
-    if creates_state(optimizer):
-        # Rank-symmetric state: a rank holding no rows of a param has ``grad is None`` and the
-        # optimizer would never create its state there (fsdp_dtensor checkpoints then hang).
-        create_state(optimizer)
-    else:  # Transformer Engine's / Apex's FusedAdam: megatron-core's own checkpoint-load init
-        init_state_fn(optimizer, config)
-    return optimizer, init_state_fn
-
-
-def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
-    """torch's Adam / AdamW steps every param at once (``foreach``) where the group leaves it unset.
-
-    torch chooses that path only when every param is on a GPU; on CPU it loops over the params, and
-    each op of the loop on Megatron-FSDP's DTensor main weights pays DTensor dispatch (measured on
-    CPU, 69 params: 97 against 53 ms per step). Same arithmetic either way.
-    """
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        return
-    for group in optimizer.param_groups:
-        if group.get("foreach") is None:
-            group["foreach"] = True
 
 
 def _wrap(

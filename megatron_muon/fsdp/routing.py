@@ -6,7 +6,9 @@ included); the scalar optimizer (``muon_scalar_optimizer``: AdamW or Lion) takes
 word *and* the learned absolute position embedding, which stock megatron-core sends to Muon
 because it carries no ``is_embedding_or_output_parameter`` tag), the output layer, biases, norms,
 every non-2-D param and params with ``use_muon=False``. A ``config_overrides`` entry with an
-``"optimizer"`` key routes the params it matches explicitly.
+``"optimizer"`` key routes the params it matches explicitly. Another matrix optimizer (Lion:
+megatron-core routes ``--optimizer lion`` as Muon, the rest to Adam) takes Muon's place
+(``route_params(matrix_name=...)``).
 
 Experts are params of an expert layer (name contains ``experts``, not ``shared``; the rule by
 which megatron-core tags ``expert_tp``) or expert-parallel params (``allreduce=False``); their Muon
@@ -48,7 +50,8 @@ _EMBEDDING_MODULES = (torch.nn.Embedding, VocabParallelEmbedding)
 
 @dataclass(frozen=True, slots=True)
 class RoutedParam:
-    """Where one param went: ``optimizer`` is "muon" or the scalar optimizer's name."""
+    """Where one param went: ``optimizer`` is the matrix optimizer's name ("muon", "lion") or
+    the scalar optimizer's."""
 
     name: str
     optimizer: str
@@ -67,11 +70,15 @@ class Routing:
             scalar optimizer (``{"optimizer": scalar_name}``).
         qkv_split_shapes: ``[q, kv, kv]`` rows per query group of the tagged ``linear_qkv``
             weights, or None when none is tagged.
+        matrix_optimizer, scalar_optimizer: the names of the two targets (``"muon"`` and
+            ``muon_scalar_optimizer``; ``"lion"`` and ``"adam"``).
     """
 
     params: list[RoutedParam]
     overrides: dict[ParamKey, Any]
     qkv_split_shapes: list[int] | None
+    matrix_optimizer: str = "muon"
+    scalar_optimizer: str = "adam"
 
 
 def route_params(
@@ -79,8 +86,10 @@ def route_params(
     config: OptimizerConfig,
     config_overrides: dict[ParamKey, Any] | None,
     scalar_name: str,
+    matrix_name: str = "muon",
 ) -> Routing:
-    """Tags the chunks' optimizer params and routes each to Muon or the scalar optimizer.
+    """Tags the chunks' optimizer params and routes each to Muon (or ``matrix_name``'s optimizer,
+    by the same rule) or the scalar optimizer.
 
     Raises:
         ValueError: a trainable param that is not a DTensor (the optimizer was built after a
@@ -91,14 +100,15 @@ def route_params(
     user_overrides = (
         get_standard_config_overrides(config) if config_overrides is None else config_overrides
     )
-    route = _router(user_overrides, chunks, scalar_name)
+    route = _router(user_overrides, chunks, scalar_name, matrix_name)
     overrides = dict(user_overrides)
     overrides[ParamKey(with_name_predicate=_routing_predicate(route, scalar_name))] = {
         "optimizer": scalar_name
     }
     routing = [RoutedParam(name, route(p, name), is_expert(p), tuple(p.shape)) for name, p in named]
-    _check_muon_params(routing)
-    return Routing(routing, overrides, qkv_split_shapes)
+    if matrix_name == "muon":
+        _check_muon_params(routing)
+    return Routing(routing, overrides, qkv_split_shapes, matrix_name, scalar_name)
 
 
 def _named_optimizer_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -208,9 +218,12 @@ def _tag_params(
 
 
 def _router(
-    user_overrides: dict[ParamKey, Any], chunks: list[torch.nn.Module], scalar_name: str
+    user_overrides: dict[ParamKey, Any],
+    chunks: list[torch.nn.Module],
+    scalar_name: str,
+    matrix_name: str,
 ) -> Callable[[torch.Tensor, str], str]:
-    """``route(param, name) -> "muon" | scalar_name``."""
+    """``route(param, name) -> matrix_name | scalar_name``."""
     embeddings = {
         id(p)
         for chunk in chunks
@@ -232,7 +245,7 @@ def _router(
             or _attr(param, "use_muon", True) is False
         ):
             return scalar_name
-        return "muon"
+        return matrix_name
 
     return route
 
@@ -257,7 +270,7 @@ def param_groups_by_optimizer(
     """
     param_groups = _get_param_groups(chunks, config, routing.overrides)
     _set_initial_lr_and_weight_decay(param_groups, config)
-    return split_groups(param_groups, config.muon_scalar_optimizer)
+    return split_groups(param_groups, routing.scalar_optimizer, routing.matrix_optimizer)
 
 
 def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: OptimizerConfig) -> None:
@@ -269,15 +282,17 @@ def _set_initial_lr_and_weight_decay(param_groups: list[dict], config: Optimizer
         group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
 
 
-def split_groups(param_groups: list[dict], scalar_name: str) -> dict[tuple[str, bool], list[dict]]:
+def split_groups(
+    param_groups: list[dict], scalar_name: str, matrix_name: str = "muon"
+) -> dict[tuple[str, bool], list[dict]]:
     """Param groups by (optimizer, is_expert); a group mixing experts and dense params is split."""
     by_target: dict[tuple[str, bool], list[dict]] = {}
     for group in param_groups:
-        target = group.get("optimizer", "muon")
-        if target not in ("muon", scalar_name):
+        target = group.get("optimizer", matrix_name)
+        if target not in (matrix_name, scalar_name):
             raise ValueError(
                 f"config_overrides route params to optimizer {target!r}; megatron-muon builds "
-                f"'muon' and the scalar optimizer {scalar_name!r}"
+                f"{matrix_name!r} and the scalar optimizer {scalar_name!r}"
             )
         parts: dict[bool, list[torch.Tensor]] = {False: [], True: []}
         for param in group["params"]:

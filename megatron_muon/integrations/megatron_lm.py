@@ -1,13 +1,17 @@
-"""``--optimizer muon --use-megatron-fsdp`` in Megatron-LM's own training loop: one ``install()``.
+"""``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp`` in Megatron-LM's own training
+loop: ``install()``.
 
 Megatron-LM's ``pretrain_gpt.py`` trains through ``megatron.training.pretrain``, which ships inside
 the megatron-core wheel. Put ``install()`` at the top of that script (before it parses arguments)
-and ``--optimizer muon`` works together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for
-every ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
+and ``--optimizer muon`` (or ``adaptive_muon``, ``lion``: ``common.options.FsdpOptimizerT``) works
+together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every
+``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
+``--optimizer soap`` with Megatron-FSDP is refused by name
+(``megatron_lm_arguments.NOT_YET_ON_MEGATRON_FSDP``).
 
-What ``install()`` patches, and why (four functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``; plus the packaging fix 5 and the
-megatron-core fixes 6 and 7):
+What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 9 in ``checkpoint_integrity``, 10 in
+``restart_store``; plus the packaging fix 5 and the megatron-core fixes 6, 7, 8 and 11):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -17,10 +21,10 @@ megatron-core fixes 6 and 7):
    Megatron-FSDP twice (``assert args.optimizer in ('sgd', 'adam')`` in the Megatron-FSDP block;
    ``assert not args.use_megatron_fsdp`` in the emerging-optimizer block, which also allows only the
    torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
-   ``args.optimizer == "muon"`` and ``args.use_megatron_fsdp``, the original runs with the
-   optimizer reported as "adam" and the name is restored before the arguments are printed and
-   returned (``--fp16`` is refused there, as the factory does). In 0.19.2 ``validate_args``
-   reads ``args.optimizer`` only at those two places, so
+   ``args.optimizer`` is "muon", "adaptive_muon" or "lion" and ``args.use_megatron_fsdp``, the
+   original runs with the optimizer reported as "adam" and the name is restored before the
+   arguments are printed and returned (``--fp16`` is refused there, as the factory does). In
+   0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two places, so
    every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
@@ -32,12 +36,12 @@ megatron-core fixes 6 and 7):
    Megatron-FSDP never reduces gradients across the HSDP replicas.
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
-   left alone): exactly when ``config.optimizer == "muon"`` and a model chunk is wrapped by
-   Megatron-FSDP, it returns megatron-muon's optimizer (``megatron_muon.build_muon_optimizer``:
-   exact Muon on FSDP shards behind a step wrapper that installs the weights and re-syncs params;
-   inside this loop gradients were already reduced by ``finalize_model_grads``, so the wrapper is
-   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``,
-   ``--qk-clip`` as ``QKClipConfig``).
+   left alone): exactly when ``config.optimizer`` is "muon", "adaptive_muon" or "lion" and a model
+   chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
+   (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
+   installs the weights and re-syncs params; inside this loop gradients were already reduced by
+   ``finalize_model_grads``, so the wrapper is told ``grads_already_synced=True``;
+   ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``, ``--qk-clip`` as ``QKClipConfig``).
    Its state goes into Megatron's ``fsdp_dtensor`` checkpoints by parameter name
    (``ckpt_format="fsdp_dtensor"``: ``checkpointed_optimizer.MegatronCheckpointedOptimizer``).
    Stock megatron-core 0.19.2 would build a ``TensorParallelMuon`` that trains nothing under
@@ -61,11 +65,25 @@ megatron-core fixes 6 and 7):
    ``--transformer-impl local`` from building, GPU or not).
 7. megatron-core's multi-latent attention at TP > 1 with the local spec drops part of the shared
    rotary key's gradient (``mla_tensor_parallel`` says how); ``install()`` sums it over TP.
-8. ``--optimizer adaptive_muon``: with Megatron-FSDP, items 1-3 treat it as Muon (the factory builds
-   ``ShardedAdaptiveMuon``; ``--adaptive-muon-moment2-method``, ``--adaptive-muon-beta2`` and
-   ``--adaptive-muon-eps`` are added, which Megatron's parser lacks); without it, megatron-core's
-   ``TensorParallelAdaptiveMuon``, which crashes at its first step and would scale twice, is
-   replaced in megatron-core's registry by a fixed subclass (``adaptive_muon_fix``).
+8. megatron-core's ``--optimizer lion`` (emerging-optimizer path) steps with Adam's betas and
+   ignores ``--lion-beta1/2``; ``stock_lion.patch()`` makes it read them, as megatron-muon's Lion
+   on Megatron-FSDP does (``stock_lion`` says where).
+9. ``save_checkpoint`` and ``load_checkpoint`` as ``megatron.training.training`` imported them,
+   for Muon with Megatron-FSDP and ``fsdp_dtensor`` (``checkpoint_integrity``): a save that
+   fails (a full disk) stops every rank with one error naming the directory and the cause and
+   removes the half-written directory; a finished save records each file's SHA-256; ``--load``
+   refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
+   anything loads. ``--async-save`` is refused in ``validate_args`` (2.).
+10. ``megatron.training.initialize._initialize_distributed``: under ``torchrun --max-restarts``,
+   each attempt's process group on a store prefix of its own (``restart_store``: without it the
+   restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
+   stop in process-group setup). Any optimizer.
+11. ``--optimizer adaptive_muon``: with Megatron-FSDP, items 1-3 treat it as Muon (the factory
+    builds ``ShardedAdaptiveMuon``; ``--adaptive-muon-moment2-method``,
+    ``--adaptive-muon-beta2`` and ``--adaptive-muon-eps`` are added, which Megatron's parser
+    lacks); without it, megatron-core's ``TensorParallelAdaptiveMuon``, which crashes at its
+    first step and would scale twice, is replaced in megatron-core's registry by a fixed subclass
+    (``adaptive_muon_fix``).
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -86,20 +104,27 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.fsdp.arguments import fsdp_config_from_args, qk_clip_config_from_args
 from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
-from megatron_muon.integrations import adaptive_muon_fix, local_core_attention, mla_tensor_parallel
+from megatron_muon.integrations import (
+    adaptive_muon_fix,
+    checkpoint_integrity,
+    local_core_attention,
+    mla_tensor_parallel,
+    restart_store,
+    stock_lion,
+)
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
-    FSDP_OPTIMIZERS,
     accepting_muon_with_fsdp,
     extra_args_provider,
     muon_meets_megatron_fsdp,
@@ -133,7 +158,7 @@ def installed() -> bool:
 
 
 def install(*, cpu_stand_ins: bool | None = None) -> None:
-    """Makes ``megatron.training`` accept and run ``--optimizer muon --use-megatron-fsdp``.
+    """Makes ``megatron.training`` accept and run ``--optimizer muon|lion --use-megatron-fsdp``.
 
     Idempotent; call it before Megatron parses arguments (first line of the launcher script).
 
@@ -161,9 +186,15 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
+    training.load_checkpoint = checkpoint_integrity.verifying_files_first(training.load_checkpoint)
+    training.save_checkpoint = checkpoint_integrity.saving_whole_or_refused(
+        training.save_checkpoint
+    )
     use_shipped_dataset_helpers()
     local_core_attention.patch()
     mla_tensor_parallel.install()
+    restart_store.patch()
+    stock_lion.patch()
     adaptive_muon_fix.install()
     _INSTALLED = True
 
@@ -195,8 +226,8 @@ def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Calla
         bound = signature.bind(*args, **kwargs)
         config = bound.arguments["config"]
         model_chunks = bound.arguments["model_chunks"]
-        optimizer = getattr(config, "optimizer", None)
-        if optimizer not in FSDP_OPTIMIZERS or not uses_megatron_fsdp(model_chunks):
+        name = getattr(config, "optimizer", None)
+        if name not in get_args(FsdpOptimizerT) or not uses_megatron_fsdp(model_chunks):
             return get_megatron_optimizer(*args, **kwargs)
         return _build_for_megatron_loop(
             config,

@@ -1,4 +1,5 @@
-"""Megatron-LM's arguments for ``--optimizer muon --use-megatron-fsdp``: two patched functions.
+"""Megatron-LM's arguments for ``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp``: two
+patched functions.
 
 ``megatron_muon.integrations.megatron_lm.install()`` applies both, under its megatron-core version
 check (``SUPPORTED_MEGATRON_CORE``); what each does and why is in that module's docstring (items 1
@@ -6,10 +7,15 @@ and 2) and in each function's below.
 
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
-  works.
-- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon with Megatron-FSDP gets past the two
-  refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is
-  taken over, HSDP turns ``--overlap-grad-reduce`` on and the Muon flags' values are checked.
+  works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
+- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon, adaptive Muon or Lion
+  (``FsdpOptimizerT``) with Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's
+  ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is taken over, HSDP turns
+  ``--overlap-grad-reduce`` on and (Muon, adaptive Muon) the Muon flags' values are checked (and
+  the ``--adaptive-muon-*`` ones); ``--async-save`` is refused. The emerging optimizers not run on
+  Megatron-FSDP yet (``NOT_YET_ON_MEGATRON_FSDP``) are refused by name; Muon or adaptive Muon
+  without Megatron-FSDP (stock ``TensorParallelMuon`` and its subclass) is refused
+  ``layer_sharded``.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import argparse
 import functools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
+from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 
@@ -29,8 +36,13 @@ __all__ = [
     "with_muon_args",
     "muon_meets_megatron_fsdp",
     "accepting_muon_with_fsdp",
+    "NOT_YET_ON_MEGATRON_FSDP",
 ]
 
+
+# megatron-core 0.19.2's --muon-tp-mode choices (what its TensorParallelMuon knows); ours beyond.
+_STOCK_TP_MODES = ("blockwise", "duplicated", "distributed")
+_OUR_TP_MODES = tuple(mode for mode in get_args(TpModeT) if mode not in _STOCK_TP_MODES)
 
 # --------------------------------------------------------------------------------------------------
 # 1. flags
@@ -38,13 +50,21 @@ __all__ = [
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser)."""
-    from megatron_muon.fsdp.adaptive_muon_arguments import add_adaptive_muon_args
+    """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser), and
+    widening Megatron's own ``--muon-tp-mode`` choices to ours (``TpModeT``: megatron-core
+    0.19.2 lists blockwise, duplicated, distributed; ``layer_sharded`` runs in ``ShardedMuon``
+    only, which ``accepting_muon_with_fsdp`` makes sure of)."""
     from megatron_muon.fsdp.arguments import add_muon_args
 
+    tp_mode = parser._option_string_actions.get("--muon-tp-mode")
+    if tp_mode is not None and tp_mode.choices is not None:
+        tp_mode.choices = [
+            *tp_mode.choices,
+            *(c for c in _OUR_TP_MODES if c not in tp_mode.choices),
+        ]
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
-    return add_adaptive_muon_args(add_muon_args(parser))
+    return add_muon_args(parser)
 
 
 def with_muon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,14 +109,18 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 # --------------------------------------------------------------------------------------------------
 
 
-# The --optimizer values whose Megatron-FSDP runs this integration takes over (the factory's).
-FSDP_OPTIMIZERS = ("muon", "adaptive_muon")
+# Megatron's emerging optimizers that megatron-muon does not run on Megatron-FSDP yet: refused by
+# name at validate_args (stock megatron-core refuses every emerging optimizer there, unnamed).
+NOT_YET_ON_MEGATRON_FSDP: dict[str, str] = {
+    "soap": "SOAP keeps whole-matrix Kronecker factors and eigenbases per matrix",
+}
 
 
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
-    """True for the combination this integration takes over: Muon (or adaptive Muon) with
-    Megatron-FSDP."""
-    return getattr(args, "optimizer", None) in FSDP_OPTIMIZERS and bool(
+    """True for the combinations this integration takes over: an optimizer megatron-muon builds
+    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion) with
+    ``--use-megatron-fsdp``."""
+    return getattr(args, "optimizer", None) in get_args(FsdpOptimizerT) and bool(
         getattr(args, "use_megatron_fsdp", False)
     )
 
@@ -104,30 +128,33 @@ def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
 def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) -> Callable:
     @functools.wraps(validate_args)
     def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+        _refuse_not_yet_supported(args)
         if not muon_meets_megatron_fsdp(args):
+            _refuse_our_tp_modes_for_stock_muon(args)
             return validate_args(args, *rest, **kwargs)
+        name = args.optimizer
         if getattr(args, "fp16", False):
             # Refused here, before any process group exists, rather than at optimizer build.
             raise ValueError(
-                "--optimizer muon with --use-megatron-fsdp does not support --fp16 (as in "
+                f"--optimizer {name} with --use-megatron-fsdp does not support --fp16 (as in "
                 "megatron-core): use --bf16 or fp32"
             )
         _take_over_qk_clip(args)
         _reduce_grads_across_hsdp_replicas(args)
-        check_muon_args(args)  # a bad value stops here, naming its flag
-        name = args.optimizer
+        if name in ("muon", "adaptive_muon"):
+            check_muon_args(args)  # a bad value stops here, naming its flag
         if name == "adaptive_muon":
             AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
         print_args = arguments._print_args
 
-        def print_with_muon(title: str, printed: argparse.Namespace) -> None:
+        def print_with_name(title: str, printed: argparse.Namespace) -> None:
             printed.optimizer = name
             print_args(title, printed)
 
-        # The two refusals test args.optimizer; with "adam" in its place they pass, and Muon's
-        # name is back before validate_args prints and returns the arguments.
+        # The two refusals test args.optimizer; with "adam" in its place they pass, and the
+        # optimizer's name is back before validate_args prints and returns the arguments.
         args.optimizer = "adam"
-        arguments._print_args = print_with_muon
+        arguments._print_args = print_with_name
         try:
             result = validate_args(args, *rest, **kwargs)
         finally:
@@ -135,9 +162,57 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             args.optimizer = name
         if result is not None:
             result.optimizer = name
+        _refuse_async_save(args)
         return result
 
     return validate_args_accepting_muon
+
+
+def _refuse_async_save(args: argparse.Namespace) -> None:
+    """``--async-save`` with muon + Megatron-FSDP stops here, naming the flag.
+
+    Checked after Megatron's ``validate_args``, which turns ``--async-save`` off (with a warning)
+    unless ``--use-persistent-ckpt-worker`` is given. What is left would fail at the first save in
+    megatron-core 0.19.2 (measured, 2 CPU ranks, ``--async-strategy mcore``: "TypeError:
+    save_state_dict_async_plan() got an unexpected keyword argument 'enable_cache'", after the
+    checkpoint directory was created; the default ``nvrx`` strategy needs nvidia-resiliency-ext),
+    and ``checkpoint_integrity`` records and checks files that must be whole when
+    ``save_checkpoint`` returns.
+    """
+    if getattr(args, "async_save", False):
+        raise ValueError(
+            f"--async-save with --optimizer {args.optimizer} --use-megatron-fsdp is not supported: "
+            "megatron-core 0.19.2's asynchronous fsdp_dtensor save fails at the first save "
+            "(--async-strategy mcore: save_state_dict_async_plan() gets an unexpected keyword "
+            "'enable_cache'; nvrx needs nvidia-resiliency-ext), and megatron-muon hashes each "
+            "checkpoint's files once they are written. Drop --async-save: saves are then "
+            "synchronous"
+        )
+
+
+def _refuse_our_tp_modes_for_stock_muon(args: argparse.Namespace) -> None:
+    """A ``--muon-tp-mode`` megatron-core's ``TensorParallelMuon`` does not know (widened into
+    the choices by ``extra_args_provider``) is refused where stock Muon would get it: Muon
+    without ``--use-megatron-fsdp`` (adaptive Muon's stock class is a ``TensorParallelMuon``)."""
+    mode = getattr(args, "muon_tp_mode", None)
+    if getattr(args, "optimizer", None) in ("muon", "adaptive_muon") and mode in _OUR_TP_MODES:
+        raise ValueError(
+            f"--muon-tp-mode {mode} runs in megatron-muon's ShardedMuon, with "
+            "--use-megatron-fsdp; megatron-core's TensorParallelMuon (Muon without it) knows "
+            f"{', '.join(_STOCK_TP_MODES)}"
+        )
+
+
+def _refuse_not_yet_supported(args: argparse.Namespace) -> None:
+    """``--optimizer`` of ``NOT_YET_ON_MEGATRON_FSDP`` with ``--use-megatron-fsdp``: a
+    ``ValueError`` naming it (and why), before megatron-core's unnamed assertion."""
+    name = getattr(args, "optimizer", None)
+    if name in NOT_YET_ON_MEGATRON_FSDP and getattr(args, "use_megatron_fsdp", False):
+        raise ValueError(
+            f"--optimizer {name} with --use-megatron-fsdp is not supported by megatron-muon yet "
+            f"({NOT_YET_ON_MEGATRON_FSDP[name]}); supported there: "
+            f"{', '.join(get_args(FsdpOptimizerT))}"
+        )
 
 
 def _take_over_qk_clip(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ from megatron_muon.plan.report import PlanReport, analyze
 from megatron_muon.plan.strategies import STRATEGIES
 
 DP_SIZES = (8, 64, 256, 1024)
-BUCKET_BYTES = 2**30  # ShardedMuon(bucket_size_bytes=1 GiB) for ours and round-robin
+BUCKET_BYTES = 2**30  # MuonFsdpConfig(bucket_size_bytes=1 GiB) for ours and round-robin
 PRICED_FLOPS_PER_BYTE = 1e3  # plan_split_owners(flops_per_byte=...) for the "priced" rows
 COMMAND = "python -m megatron_muon.plan.scaling_doc --out docs"
 _LABELS = {
@@ -50,10 +50,10 @@ llama3-8b and deepseek-v3 at DP 64; bytes per GPU about 2x its own momentum shar
   flat-bucket row split (one bucket per layer and kind, params ordered by row size, even split of
   the padded bucket; offsets from megatron_fsdp's own `build_data_parallel_buffer_index`).
 - **peak MiB**: extra memory at the peak: full matrices held at once (ours and round-robin:
-  `ShardedMuon(bucket_size_bytes=1 GiB)`, exchanging consecutive matrices up to 1 GiB of full fp32
-  bytes at a time; replicated: every boundary matrix, as PR #4486 gathers all before any NS; dion:
-  one batch), send staging, and the NS working set of the largest job. The optimizer state itself
-  is not counted.
+  `MuonFsdpConfig(bucket_size_bytes=1 GiB)`, exchanging consecutive matrices up to 1 GiB of full
+  fp32 bytes at a time; replicated: every boundary matrix, as PR #4486 gathers all before any NS;
+  dion: one batch), send staging, and the NS working set of the largest job. The optimizer state
+  itself is not counted.
 - **collectives**: entered by the busiest GPU per step. **split**: matrices whose NS ours splits
   over a block of 2-16 ranks (`split_newton_schulz`, exact to full-matrix NS).
 

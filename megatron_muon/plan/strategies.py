@@ -69,7 +69,7 @@ class GroupInput:
         ns_method: the NS method (``newton_schulz.NS_METHODS``): its FLOP count, and whether
             ours may split a matrix's NS.
         bucket_bytes: owner strategies exchange consecutive matrices whose full fp32 bytes fit
-            this bound at once (``ShardedMuon(bucket_size_bytes=...)``); ``None``: all at once.
+            this bound at once (``MuonFsdpConfig(bucket_size_bytes=...)``); ``None``: all at once.
     """
 
     matrices: Sequence[Matrix]

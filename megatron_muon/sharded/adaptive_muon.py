@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -41,14 +41,22 @@ from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import check_choice
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.layout import local_tensor
-from megatron_muon.sharded.sharded_muon import ShardedMuon, _Plan
+from megatron_muon.sharded.optimizer_plan import OptimizerPlan
+from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
+from megatron_muon.sharded.sharded_muon import ShardedMuon
 from megatron_muon.sharded.tensor_parallel import tp_group
 
 __all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon"]
 
 # No matrix's NS is split over ranks: the second moment needs each whole matrix on one rank.
 _NEVER_SPLIT = 2**62
+
+
+def _help(text: str) -> dict[str, str]:
+    """A field's flag help (``fsdp.arguments.add_optimizer_config_flags`` reads it)."""
+    return {"help": f"--optimizer adaptive_muon: {text}."}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,9 +71,17 @@ class AdaptiveMuonConfig:
         eps: added to the second moment's root (adamuon, namo) or its floor (normuon), >= 0.
     """
 
-    moment2_method: Moment2MethodT = "adamuon"
-    beta2: float = 0.95
-    eps: float = 1e-8
+    moment2_method: Moment2MethodT = field(
+        default="adamuon",
+        metadata=_help(
+            "the second moment applied to the raw Newton-Schulz result: 'adamuon' elementwise, "
+            "'normuon' per row or column, 'namo' a Frobenius-norm ratio"
+        ),
+    )
+    beta2: float = field(
+        default=0.95, metadata=_help("decay of the second moment's running average, in [0, 1)")
+    )
+    eps: float = field(default=1e-8, metadata=_help("the second moment's epsilon, >= 0"))
 
     def __post_init__(self) -> None:
         check_choice("moment2_method", self.moment2_method, Moment2MethodT)
@@ -101,8 +117,10 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
 
     Args:
         params: as ``ShardedMuon``'s, 2-D only.
+        lr, weight_decay, muon, fsdp: ``ShardedMuon``'s; ``fsdp.min_split_flops`` must be left
+            at its default (NS is never split here).
         adaptive: the second moment's method, beta2 and eps (default ``AdaptiveMuonConfig()``).
-        **kwargs: ``ShardedMuon``'s keywords (``min_split_flops`` excepted).
+        **kwargs: ``ShardedMuon``'s other keywords (``dp_group``, ``pg_collection``, ...).
 
     State per param on every rank: ``momentum_buffer`` (like the param) and ``moment2_buffer``
     (``AdaptiveMuon._init_group``'s: like the param for adamuon; a plain replicated tensor of the
@@ -114,20 +132,31 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
     """
 
     def __init__(
-        self, params: ParamsT, *, adaptive: AdaptiveMuonConfig | None = None, **kwargs: Any
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        weight_decay: float = 0.01,
+        *,
+        adaptive: AdaptiveMuonConfig | None = None,
+        muon: MuonConfig | None = None,
+        fsdp: MuonFsdpConfig | None = None,
+        **kwargs: Any,
     ) -> None:
         adaptive = adaptive or AdaptiveMuonConfig()
-        if "min_split_flops" in kwargs:
+        fsdp = fsdp if fsdp is not None else MuonFsdpConfig()
+        if fsdp.min_split_flops not in (MIN_SPLIT_FLOPS, _NEVER_SPLIT):
             raise ValueError(
                 "ShardedAdaptiveMuon never splits a matrix's NS over ranks (its second moment "
-                "needs the whole matrix on one rank): min_split_flops does not apply"
+                f"needs the whole matrix on one rank): min_split_flops={fsdp.min_split_flops} "
+                "does not apply"
             )
         if adaptive.moment2_method == "namo" and not kwargs.get("use_decoupled_weight_decay", True):
             raise ValueError('moment2_method="namo" needs decoupled weight decay (as AdaptiveMuon)')
         # Read by AdaptiveMuon._init_group, which ShardedMuon's constructor runs.
         self.moment2_method = adaptive.moment2_method
-        super().__init__(params, min_split_flops=_NEVER_SPLIT, **kwargs)
-        self._check_no_tensor_parallelism(kwargs.get("tp_mode", "duplicated"))
+        fsdp = replace(fsdp, min_split_flops=_NEVER_SPLIT)
+        super().__init__(params, lr, weight_decay, muon=muon, fsdp=fsdp, **kwargs)
+        self._check_no_tensor_parallelism()
         # Muon's scale is applied once, after the second moment (AdaptiveMuon._apply_muon_scale).
         self.scale_mode = self.ns_config.scale_mode
         self.extra_scale_factor = self.ns_config.extra_scale_factor
@@ -140,15 +169,16 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         self._namo: dict[torch.Tensor, tuple[torch.Tensor, dict]] = {}
         self._namo_scales: dict[torch.Tensor, torch.Tensor] = {}
 
-    def _check_no_tensor_parallelism(self, tp_mode: str) -> None:
+    def _check_no_tensor_parallelism(self) -> None:
         for param in self._all_params():
             group = tp_group(param, self.pg_collection)
             size = dist.get_world_size(group) if group is not None else 1
             if size > 1:
                 raise ValueError(
                     f"ShardedAdaptiveMuon runs at tensor-parallel size 1 only, got size {size} "
-                    f"(tp_mode={tp_mode!r}): its reference is AdaptiveMuon on the full matrix, and "
-                    "the second moment of a TP-split matrix is not computed exactly on its blocks"
+                    f"(tp_mode={self.tp_mode!r}): its reference is AdaptiveMuon on the full "
+                    "matrix, and the second moment of a TP-split matrix is not computed exactly "
+                    "on its blocks"
                 )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -178,7 +208,7 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         return update
 
     @contextmanager
-    def _around_orthogonalization(self, plan: _Plan, active: list[bool]) -> Iterator[None]:
+    def _around_orthogonalization(self, plan: OptimizerPlan, active: list[bool]) -> Iterator[None]:
         """namo: the global norms and each matrix's scalar before NS; normuon: the owners' new
         second moments to every rank after it. Collective over ``dp_group``."""
         if self.moment2_method == "namo":
@@ -213,7 +243,9 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
     # the collectives
     # ---------------------------------------------------------------------------------------------
 
-    def _namo_scalars(self, plan: _Plan, active: list[bool]) -> dict[torch.Tensor, torch.Tensor]:
+    def _namo_scalars(
+        self, plan: OptimizerPlan, active: list[bool]
+    ) -> dict[torch.Tensor, torch.Tensor]:
         """Each active matrix's namo scalar ``alpha`` (``(1,)``), its second moment updated: one
         all_reduce of every matrix's two sums of squares over ``dp_group``."""
         params = [p for i, p in enumerate(plan.params) if active[i]]
@@ -238,12 +270,12 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             )
         return scalars
 
-    def _share_owners_moment2(self, plan: _Plan, active: list[bool]) -> None:
+    def _share_owners_moment2(self, plan: OptimizerPlan, active: list[bool]) -> None:
         """Every rank's normuon second moments become their owners' (one all_reduce over
         ``dp_group``: the owner adds its values, every other rank zeros). In gather mode and on
         one rank every rank computed every matrix: nothing to share."""
         runtime = plan.runtime
-        if self.mode != "owner" or runtime.num_ranks == 1:
+        if self.fsdp_config.mode != "owner" or runtime.num_ranks == 1:
             return
         buffers, owned = [], []
         for matrix_plan in plan.step_plan.matrices:

@@ -1,28 +1,32 @@
 """Configuration of Muon on Megatron-FSDP: Megatron's own ``muon_*`` flags, plus ours.
 
-Two frozen dataclasses, one per concern, each the single validator of its fields:
+Two frozen dataclasses, one per concern, each the single definition and validator of its fields;
+``ShardedMuon(params, lr=..., weight_decay=..., muon=MuonConfig(...), fsdp=MuonFsdpConfig(...))``
+takes them as they are:
 
 - ``MuonConfig``: the Muon hyper-parameters exactly as megatron-core's ``OptimizerConfig`` names
   them (field ``x`` <-> ``OptimizerConfig.muon_x`` <-> ``--muon-x``), read with
   ``MuonConfig.from_optimizer_config(config)``. Their meaning is that of megatron-core
-  ``TensorParallelMuon``'s constructor arguments of the same names (which ``ShardedMuon`` takes).
+  ``TensorParallelMuon``'s constructor arguments of the same names
+  (``tensor_parallel_muon_kwargs()``, what ``ShardedMuon`` hands its base class).
 - ``MuonFsdpConfig``: what only megatron-muon has (where Newton-Schulz runs on Megatron-FSDP's row
-  shards, exchange bucketing, NS method, momentum offload), one field per ``ShardedMuon`` keyword
-  (``sharded_muon_kwargs()``) and per ``megatron_muon.fsdp.arguments`` flag (``--muon-fsdp-mode``
-  ...; ``fsdp.arguments.fsdp_config_from_args`` reads parsed flags).
+  shards, exchange bucketing, NS method, momentum offload, ...). A field with ``flag(...)`` metadata
+  is a command-line flag (``megatron_muon.fsdp.arguments`` derives name, type, choices, default and
+  help from the field; ``fsdp_config_from_args`` reads parsed flags back), so a new setting is one
+  field here plus the code that reads ``optimizer.fsdp_config.<field>``.
 
 The Newton-Schulz fields of both (steps, scale mode, NS method, Gram settings) are checked by
-``newton_schulz.NSConfig``, whose defaults ``MuonFsdpConfig``'s NS fields take; the allowed values
-of every string option are the ``Literal`` aliases of ``megatron_muon.common.options`` (and the
-NS-method registry). ``ShardedMuon`` builds all three from its keywords, so a bad value is refused
-by the same code whichever way it comes in. Learning rate, weight decay, Adam/Lion betas, clipping
-and precision stay in ``OptimizerConfig``; QK-clip (MuonClip), which the factory builds around the
-optimizer, is ``megatron_muon.fsdp.qk_clip.QKClipConfig``.
+``newton_schulz.NSConfig``: each config its own fields, ``MuonFsdpConfig.ns_config(muon)`` the
+combination (the ``NSConfig`` ``ShardedMuon`` runs). The allowed values of every string option are
+the ``Literal`` aliases of ``megatron_muon.common.options`` (and the NS-method registry). Learning
+rate, weight decay, Adam/Lion betas, clipping and precision stay in ``OptimizerConfig``; QK-clip
+(MuonClip), which the factory builds around the optimizer, is
+``megatron_muon.fsdp.qk_clip.QKClipConfig``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron_muon.common.options import (
@@ -34,8 +38,9 @@ from megatron_muon.common.options import (
     check_choice,
 )
 from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
+from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
 
-__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig"]
+__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig", "flag"]
 
 # The default bound on the fp32 full matrices an owner step holds at once: on the benchmark's
 # dense model at DP=2 the smallest bucket whose step is within 5% of one bucket's time
@@ -67,8 +72,8 @@ class MuonConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        # coefficient_type is left to ShardedMuon's NSConfig: "custom" needs the triples, which
-        # Megatron's flags do not carry.
+        # coefficient_type is checked by MuonFsdpConfig.ns_config: "custom" needs the triples
+        # (MuonFsdpConfig.custom_coefficient_sets), which Megatron's flags do not carry.
         NSConfig(num_ns_steps=self.num_ns_steps, scale_mode=self.scale_mode)
         check_choice("tp_mode", self.tp_mode, TpModeT)
         check_choice("scalar_optimizer", self.scalar_optimizer, ScalarOptimizerT)
@@ -88,8 +93,8 @@ class MuonConfig:
             raise ValueError(f"muon_{error}") from None
 
     def tensor_parallel_muon_kwargs(self) -> dict[str, Any]:
-        """The ``TensorParallelMuon`` / ``ShardedMuon`` keywords these flags set: every field but
-        ``scalar_optimizer`` (the factory's), under its own name.
+        """The ``TensorParallelMuon`` keywords these flags set (``ShardedMuon`` passes them to its
+        base class): every field but ``scalar_optimizer`` (the factory's), under its own name.
 
         Weight decay is always decoupled for Muon in Megatron (``use_decoupled_weight_decay``
         keeps its default, True); lr and weight_decay come from ``OptimizerConfig`` separately.
@@ -97,9 +102,25 @@ class MuonConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "scalar_optimizer"}
 
 
+def flag(help: str, *, option: str | None = None, unit: int | None = None) -> dict[str, Any]:
+    """A ``MuonFsdpConfig`` field's metadata: its command-line flag (``fsdp.arguments`` adds one per
+    field that has this metadata; fields without it have no flag).
+
+    Args:
+        help: the flag's help text (argparse ``%`` rules: a literal ``%`` is ``%%``).
+        option: the flag's name; default ``--muon-<field with dashes>``.
+        unit: the field's value is the flag's times ``unit`` (the flag a float: MiB for bytes).
+    """
+    return {"help": help, "option": option, "unit": unit}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MuonFsdpConfig:
-    """megatron-muon's own settings for Muon on Megatron-FSDP shards (``ShardedMuon`` keywords).
+    """megatron-muon's own settings for Muon on Megatron-FSDP shards (``ShardedMuon(fsdp=...)``).
+
+    One field per setting: its type (a ``Literal`` alias gives the flag's choices), default,
+    validation (``__post_init__``) and flag (``flag(...)`` metadata: help, name) are here, and
+    ``fsdp.arguments`` derives the flag from them; ``ShardedMuon`` reads the field at run time.
 
     Attributes:
         mode: ``"owner"``: each full matrix is orthogonalized once, on one owner rank of the
@@ -114,27 +135,106 @@ class MuonFsdpConfig:
         offload_momentum: keep Muon momentum in CPU memory between steps.
         overlap_buckets: owner mode: exchange bucket k+1 while bucket k runs NS (two buckets'
             full matrices held at once instead of one; bitwise the same updates).
+        min_split_flops: a matrix whose NS costs at least this many FLOPs may have its NS split
+            over a small block of ranks when one owner per matrix cannot balance the load
+            (``planner.plan_split_owners``; ``MIN_SPLIT_FLOPS``); ``0`` allows splitting any.
+        custom_coefficient_sets: the NS ``(a, b, c)`` triples for
+            ``MuonConfig.coefficient_type="custom"`` (no flag: Megatron's flags carry none).
     """
 
-    mode: FsdpModeT = "owner"
-    bucket_size_bytes: int | None = DEFAULT_BUCKET_SIZE_BYTES
-    ns_method: NSMethodT = _NS_DEFAULTS.ns_method
-    gram_half_dtype: GramHalfDtypeT = _NS_DEFAULTS.gram_half_dtype
-    gram_restarts: tuple[int, ...] | None = _NS_DEFAULTS.gram_restarts
-    offload_momentum: bool = False
-    overlap_buckets: bool = False
+    mode: FsdpModeT = field(
+        default="owner",
+        metadata=flag(
+            "Where Newton-Schulz runs on Megatron-FSDP shards: 'owner' orthogonalizes each full "
+            "matrix once, on one owner rank (NS work ~ 1/DP per rank); 'gather' on every rank.",
+            option="--muon-fsdp-mode",
+        ),
+    )
+    bucket_size_bytes: int | None = field(
+        default=DEFAULT_BUCKET_SIZE_BYTES,
+        metadata=flag(
+            "Bound (MiB of fp32) on the full matrices one rank holds at once for Newton-Schulz "
+            "(matrices are exchanged and orthogonalized bucket by bucket); a bound above the "
+            "model's matrices gives one bucket.",
+            option="--muon-fsdp-bucket-size-mb",
+            unit=2**20,
+        ),
+    )
+    ns_method: NSMethodT = field(
+        default=_NS_DEFAULTS.ns_method,
+        metadata=flag(
+            "Newton-Schulz iteration: 'standard' (megatron-core's), 'gram' (Gram Newton-Schulz) "
+            "or 'symmetric' (the standard iteration, its symmetric products by halves: 12-17%% "
+            "fewer FLOPs; never split over ranks)."
+        ),
+    )
+    gram_half_dtype: GramHalfDtypeT = field(
+        default=_NS_DEFAULTS.gram_half_dtype,
+        metadata=flag(
+            "Gram Newton-Schulz matmul dtype under --muon-fp32-matmul-prec medium (fp32 under "
+            "high/highest). bfloat16 where fp16 matmuls are slow (CPUs)."
+        ),
+    )
+    gram_restarts: tuple[int, ...] | None = field(
+        default=_NS_DEFAULTS.gram_restarts,
+        metadata=flag(
+            "Gram Newton-Schulz: iterations after which X and X X^T are rebuilt (each in "
+            "[1, --muon-num-ns-steps), increasing); default: the method's own for the dtype."
+        ),
+    )
+    offload_momentum: bool = field(
+        default=False,
+        metadata=flag("Keep Muon momentum in CPU memory between optimizer steps."),
+    )
+    overlap_buckets: bool = field(
+        default=False,
+        metadata=flag(
+            "Owner mode: exchange the next bucket while this one runs Newton-Schulz "
+            "(two buckets' full matrices held at once; the same updates).",
+            option="--muon-fsdp-overlap-buckets",
+        ),
+    )
+    min_split_flops: int = field(
+        default=MIN_SPLIT_FLOPS,
+        metadata=flag(
+            "Owner mode: a matrix whose Newton-Schulz costs at least this many FLOPs may be "
+            "split over a few ranks when one owner per matrix cannot balance the load; 0 allows "
+            "splitting any matrix."
+        ),
+    )
+    custom_coefficient_sets: tuple[tuple[float, float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, FsdpModeT)
         if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
             raise ValueError(f"bucket_size_bytes must be positive, got {self.bucket_size_bytes}")
-        # Gram restarts are checked where the number of NS steps is known (ShardedMuon's NSConfig).
+        if self.min_split_flops < 0:
+            raise ValueError(f"min_split_flops must be >= 0, got {self.min_split_flops}")
+        # Gram restarts and custom coefficients are checked with the number of NS steps and the
+        # coefficient type (``ns_config``).
         NSConfig(ns_method=self.ns_method, gram_half_dtype=self.gram_half_dtype)
+        # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
         if self.gram_restarts is not None:
-            # Lists (argparse nargs, YAML) become tuples, so the frozen config stays hashable.
             object.__setattr__(self, "gram_restarts", tuple(self.gram_restarts))
+        if self.custom_coefficient_sets is not None:
+            triples = tuple(tuple(triple) for triple in self.custom_coefficient_sets)
+            object.__setattr__(self, "custom_coefficient_sets", triples)
 
-    def sharded_muon_kwargs(self) -> dict[str, Any]:
-        """The ``ShardedMuon`` keyword-only arguments these settings set: every field, under its
-        own name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def ns_config(self, muon: MuonConfig) -> NSConfig:
+        """The Newton-Schulz config of ``muon``'s NS fields with these NS settings.
+
+        Raises:
+            ValueError: settings that only conflict together (Gram restarts beyond
+                ``muon.num_ns_steps``, custom triples without ``coefficient_type="custom"``, a
+                custom type without triples, an unknown coefficient type).
+        """
+        return NSConfig(
+            num_ns_steps=muon.num_ns_steps,
+            coefficient_type=muon.coefficient_type,
+            scale_mode=muon.scale_mode,
+            extra_scale_factor=muon.extra_scale_factor,
+            ns_method=self.ns_method,
+            custom_coefficient_sets=self.custom_coefficient_sets,
+            gram_restarts=self.gram_restarts,
+            gram_half_dtype=self.gram_half_dtype,
+        )

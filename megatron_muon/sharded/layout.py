@@ -38,6 +38,7 @@ __all__ = [
     "local_tensor",
     "matrix_shape",
     "mesh_axes",
+    "ranks_along",
     "MeshAxes",
     "RowLayout",
     "TensorParallelSplit",
@@ -92,7 +93,7 @@ class MeshAxes:
     tensor_parallel: tuple[TensorParallelSplit, ...]
 
 
-def _ranks_along(param: DTensor, axes: Sequence[int]) -> tuple[int, ...]:
+def ranks_along(param: DTensor, axes: Sequence[int]) -> tuple[int, ...]:
     """Global ranks of the sub-mesh spanned by ``axes`` through this rank's coordinate."""
     coordinate = param.device_mesh.get_coordinate()
     if coordinate is None:
@@ -119,7 +120,7 @@ def mesh_axes(param: DTensor, dp_ranks: Collection[int]) -> MeshAxes:
     splits: list[TensorParallelSplit] = []
     names = param.device_mesh.mesh_dim_names or ()
     for axis, placement in enumerate(param.placements):
-        ranks = _ranks_along(param, [axis])
+        ranks = ranks_along(param, [axis])
         if len(ranks) == 1:
             continue
         label = f"mesh axis {axis}" + (f" ({names[axis]!r})" if axis < len(names) else "")
@@ -154,7 +155,7 @@ def mesh_axes(param: DTensor, dp_ranks: Collection[int]) -> MeshAxes:
             f"a param of shape {tuple(param.shape)} is split over {len(splits)} tensor-parallel "
             f"mesh axes (placements {tuple(param.placements)}); one is supported"
         )
-    return MeshAxes(tuple(data_parallel), _ranks_along(param, data_parallel), tuple(splits))
+    return MeshAxes(tuple(data_parallel), ranks_along(param, data_parallel), tuple(splits))
 
 
 def matrix_shape(param: torch.Tensor, axes: MeshAxes | None) -> tuple[int, ...]:

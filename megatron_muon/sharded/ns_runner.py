@@ -5,9 +5,10 @@ matrices (data-parallel-full, tensor-parallel-local, ``(rows, cols)`` fp32), the
 whose NS is split over a block of ranks (``split_newton_schulz``), and local expert tensors
 ``(E, out, in)`` (whole experts per rank). It applies Muon's scale as ``TensorParallelMuon`` does,
 runs Q, K and V apart under QKV split (``qkv``), batches small same-shape NS jobs into one call,
-and counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS needs tensor-parallel
-collectives (``NSMatrix.tp_collectives``) goes whole through the optimizer's own
-``TensorParallelMuon.orthogonalize`` (the ``tensor_parallel`` callable).
+and counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS is
+``TensorParallelMuon``'s (``NSMatrix.stock_ns``: with tensor-parallel collectives, or the unsplit
+matrix of tp_mode ``layer_sharded``) goes whole through the optimizer's ``tensor_parallel``
+callable.
 
 Batching same-shape jobs into one NS call saves per-call overhead but costs a stacking copy of the
 inputs; on one CPU thread it pays only for small matrices (``batch_pays``), so larger ones run one
@@ -70,8 +71,8 @@ class NSRunner:
     Attributes:
         config: NS method, coefficients and Muon's scale.
         stats: the step's figures; NS FLOPs are added to it.
-        tensor_parallel: NS (with scale) of a whole matrix with ``tp_collectives``, through
-            ``TensorParallelMuon.orthogonalize``; counts its own FLOPs.
+        tensor_parallel: NS (with scale) of a whole ``stock_ns`` matrix, through
+            ``TensorParallelMuon``'s NS; counts its own FLOPs.
         finish: the optimizer's per-matrix function after NS, on the rank that orthogonalized
             the whole matrix (``(rows, cols)`` fp32 in and out); None: NS's result is the update
             (Muon). Not applied to split blocks or expert tensors.
@@ -96,14 +97,14 @@ class NSRunner:
         ``matrices``, each yielded as soon as it is done.
 
         Releases each input (``tensors[i] = None``) once its NS ran, so that an input nobody else
-        holds is freed before the next NS starts. Matrices with tensor-parallel collectives go
+        holds is freed before the next NS starts. ``stock_ns`` matrices go
         through ``tensor_parallel`` first, one by one, in order (the TP ranks call in the same
         order); all others are cut into NS jobs (Q, K and V apart under QKV split): jobs of one
         shape where ``batch_pays`` share one NS call, the others run one by one, matrix by matrix.
         """
         jobs: dict[int, list[torch.Tensor]] = {}
         for i, plan in enumerate(matrices):
-            if plan.matrix.tp_collectives:
+            if plan.matrix.stock_ns:
                 with torch.profiler.record_function(NS_SCOPE):
                     result = self.tensor_parallel(plan.matrix, _take(tensors, i))
                 yield i, self._finish(plan.matrix, result)

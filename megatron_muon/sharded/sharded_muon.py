@@ -23,9 +23,10 @@ parallelism meets the row shards: ``tensor_parallel``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -34,110 +35,57 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT, MuonScaleT, TpModeT
-from megatron_muon.newton_schulz.methods import NSCoeffT, NSConfig, NSMethodT, ns_flops
+from megatron_muon.newton_schulz.cost_model import pieces_flops
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import check_same_params, gather_row_layouts, local_tensor
+from megatron_muon.sharded.layout import local_tensor
 from megatron_muon.sharded.momentum_offload import MomentumOffload
 from megatron_muon.sharded.ns_runner import NSRunner, StepStats
-from megatron_muon.sharded.owner_pipeline import BucketRuntime
-from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
-from megatron_muon.sharded.qkv import qkv_split_shapes
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
+from megatron_muon.sharded.optimizer_plan import OptimizerPlan
+from megatron_muon.sharded.planner import OwnerPlan
+from megatron_muon.sharded.qkv import qkv_pieces
+from megatron_muon.sharded.step_plan import NSMatrix
 from megatron_muon.sharded.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
-    needs_tp_collectives,
+    stock_tp_mode,
     tp_group,
 )
+from megatron_muon.sharded.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
 
 __all__ = ["ShardedMuon", "StepStats"]
 
-# The megatron-muon keywords' defaults are MuonFsdpConfig's.
-_FSDP_DEFAULTS = MuonFsdpConfig()
-
-
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What ``step()`` keeps between steps: the params it was built for, their static plan (2-D
-    matrices), the positions of the 3-D expert params, and the runtime that runs the plan."""
-
-    params: list[torch.Tensor]
-    step_plan: StepPlan
-    experts: list[int]
-    runtime: BucketRuntime
-
-    @staticmethod
-    def build(muon: ShardedMuon, params: list[torch.Tensor]) -> _Plan:
-        """Layouts (one all_gather), the static plan, and split-NS groups of ``muon``'s params.
-
-        Collective over ``muon.dp_group`` (and, for split matrices, each split block's ranks).
-        """
-        # Without torch.distributed (one process) every param is whole: DP size 1.
-        num_ranks = dist.get_world_size(muon.dp_group) if dist.is_initialized() else 1
-        check_same_params(params, muon.dp_group)
-        layouts = gather_row_layouts(params, muon.dp_group)
-        matrices = [
-            NSMatrix(
-                param=i,
-                layout=layouts[i],
-                qkv_split_shapes=qkv_split_shapes(
-                    param, muon.split_qkv, muon.is_qkv_fn, muon.qkv_split_shapes
-                ),
-                tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
-            )
-            for i, param in enumerate(params)
-            if param.ndim == 2
-        ]
-        step_plan = plan_step(
-            matrices,
-            num_ranks,
-            muon.ns_config,
-            bucket_size_bytes=muon.bucket_size_bytes,
-            min_split_flops=muon.min_split_flops,
-            owner_buckets=muon.mode == "owner",
-        )
-        return _Plan(
-            params=params,
-            step_plan=step_plan,
-            experts=[i for i, p in enumerate(params) if p.ndim == 3],
-            runtime=BucketRuntime(
-                step_plan, muon.mode, muon.dp_group, num_ranks, muon.overlap_buckets
-            ),
-        )
+_MUON_FIELDS = {f.name for f in fields(MuonConfig)}
+_FSDP_FIELDS = {f.name for f in fields(MuonFsdpConfig)}
+# ``ShardedMuon.from_keywords``: TensorParallelMuon's defaults of the MuonConfig fields.
+_TENSOR_PARALLEL_MUON_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(TensorParallelMuon.__init__).parameters.items()
+    if name in _MUON_FIELDS
+}
 
 
 class ShardedMuon(TensorParallelMuon):
     """Muon on data-parallel row-sharded params (Megatron-FSDP), exact and hang-free.
 
-    Takes ``TensorParallelMuon``'s keywords with the same defaults, plus (those that
-    ``MuonFsdpConfig`` holds with its defaults):
-
     Args:
+        params: the params (or param groups) below.
+        lr, weight_decay: as ``TensorParallelMuon``'s (per param group).
+        muon: Megatron's Muon settings (``MuonConfig``: momentum, Nesterov, NS steps and
+            coefficients, scale, fp32 matmul precision, QKV split, tp_mode), handed to
+            ``TensorParallelMuon``. Default: ``MuonConfig(split_qkv=False)`` (megatron-core's
+            ``OptimizerConfig`` defaults; the QKV split needs ``is_qkv_fn``).
+        fsdp: megatron-muon's settings (``MuonFsdpConfig``: owner/gather mode, exchange buckets
+            and their overlap, NS method and Gram settings, custom NS coefficients, momentum
+            offload, split threshold). Default: ``MuonFsdpConfig()``.
         dp_group: process group the rows are sharded over: ``pg_collection.dp_cp`` for dense params,
             ``pg_collection.expt_dp`` for experts. ``None`` means the default (world) group.
-        mode: ``"owner"`` (each full matrix orthogonalized once, by one owner rank) or
-            ``"gather"`` (every rank gathers and orthogonalizes every matrix; a reference).
-        bucket_size_bytes: bound on the fp32 bytes of full matrices one rank holds at once (the
-            owner step's peak extra memory; buckets are exchanged and orthogonalized one after the
-            other, in owner mode each giving every rank its next matrices:
-            ``step_plan.bucket_by_owner_rounds``); ``None`` exchanges all matrices in one bucket.
-            Default: 16 MiB (``config.DEFAULT_BUCKET_SIZE_BYTES``, chosen in docs/benchmarks.md).
-        overlap_buckets: owner mode: the next bucket's rows travel while this bucket runs NS
-            (``owner_pipeline``): up to two buckets' full matrices held at once; bitwise the same
-            updates. Default off until measured (docs/benchmarks.md, "Overlap").
-        ns_method: a method of the NS-method registry (``newton_schulz.NS_METHODS``), e.g.
-            ``"standard"`` NS, ``"gram"`` (Gram Newton-Schulz) or ``"symmetric"``.
-        custom_coefficient_sets: the ``(a, b, c)`` triples for ``coefficient_type="custom"``.
-        gram_restarts, gram_half_dtype: Gram NS restarts and its half dtype under ``"medium"``
-            precision (``NSConfig``; fp16 by default, which CPUs emulate slowly: use bfloat16
-            there).
-        offload_momentum: keep momentum in (pinned, on GPU machines) CPU memory between steps; it
-            is brought back to the param's device for the step. Results are bitwise unchanged.
-            Momentum stays resident from ``state_dict()`` until the end of the next step.
-        min_split_flops: a matrix whose NS costs at least this many FLOPs may have its NS split
-            over a small block of ranks when one owner per matrix cannot balance the load
-            (``planner.plan_split_owners``); ``0`` allows splitting any matrix.
+        pg_collection: megatron-core process groups; ``tp`` / ``expt_tp`` for tensor parallelism
+            (``TensorParallelMuon``'s).
+        is_qkv_fn, qkv_split_shapes: which params are fused QKV weights and their split
+            (``TensorParallelMuon``'s; ``is_qkv_fn`` is required with ``muon.split_qkv``).
+        use_decoupled_weight_decay: ``TensorParallelMuon``'s (Megatron always decouples).
+
+    ``ShardedMuon.from_keywords`` builds one from ``TensorParallelMuon``'s flat keywords.
 
     Params: DTensors with ``Shard(0)`` or ``Replicate`` placements on their data-parallel mesh axes
     (1-D ``dp_group`` mesh, or the two axes of an HSDP mesh), plus, under tensor parallelism,
@@ -148,112 +96,87 @@ class ShardedMuon(TensorParallelMuon):
     construction on, so checkpoint keys are the same on every rank.
 
     Raises:
-        ValueError: bad keywords (checked by ``MuonConfig``, ``MuonFsdpConfig`` and ``NSConfig``);
-            a param that is not a matrix; a DTensor whose data-parallel mesh axes are not
-            ``dp_group``, or, with tp_mode duplicated/distributed, whose tensor-parallel axis is
-            not ``pg_collection.tp`` (``expt_tp``) or does not split ``partition_dim``.
+        ValueError: a negative lr or weight decay; settings refused by ``MuonConfig``,
+            ``MuonFsdpConfig`` or their combination (``MuonFsdpConfig.ns_config``);
+            ``split_qkv`` without ``is_qkv_fn``; a param that is not a matrix; a DTensor whose
+            data-parallel mesh axes are not ``dp_group``, or, with tp_mode
+            duplicated/distributed, whose tensor-parallel axis is not ``pg_collection.tp``
+            (``expt_tp``) or does not split ``partition_dim``.
     """
 
     def __init__(
         self,
         params: ParamsT,
         lr: float = 3e-4,
-        momentum: float = 0.95,
-        nesterov: bool = True,
         weight_decay: float = 0.01,
-        use_decoupled_weight_decay: bool = True,
-        split_qkv: bool = False,
+        *,
+        muon: MuonConfig | None = None,
+        fsdp: MuonFsdpConfig | None = None,
+        dp_group: dist.ProcessGroup | None = None,
+        pg_collection: Any = None,
         is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
         qkv_split_shapes: list[int] | None = None,
-        fp32_matmul_prec: str = "medium",
-        coefficient_type: NSCoeffT = "quintic",
-        num_ns_steps: int = 5,
-        scale_mode: MuonScaleT = "spectral",
-        extra_scale_factor: float = 1.0,
-        pg_collection: Any = None,
-        tp_mode: TpModeT = "duplicated",
-        *,
-        dp_group: dist.ProcessGroup | None = None,
-        mode: FsdpModeT = _FSDP_DEFAULTS.mode,
-        bucket_size_bytes: int | None = _FSDP_DEFAULTS.bucket_size_bytes,
-        overlap_buckets: bool = _FSDP_DEFAULTS.overlap_buckets,
-        ns_method: NSMethodT = _FSDP_DEFAULTS.ns_method,
-        custom_coefficient_sets: list[tuple[float, float, float]] | None = None,
-        gram_restarts: tuple[int, ...] | None = _FSDP_DEFAULTS.gram_restarts,
-        gram_half_dtype: GramHalfDtypeT = _FSDP_DEFAULTS.gram_half_dtype,
-        offload_momentum: bool = _FSDP_DEFAULTS.offload_momentum,
-        min_split_flops: int = MIN_SPLIT_FLOPS,
+        use_decoupled_weight_decay: bool = True,
     ) -> None:
         # Refused at construction: values that would step uphill or fail only at the first step.
-        # The Muon and megatron-muon keywords are checked by their configs (config.py).
+        # Every other setting was checked by its config when that was built.
         if not lr >= 0.0:  # also NaN
             raise ValueError(f"lr must be >= 0, got {lr}")
-        MuonConfig(
-            momentum=momentum,
-            split_qkv=split_qkv,
-            nesterov=nesterov,
-            scale_mode=scale_mode,
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            num_ns_steps=num_ns_steps,
-            tp_mode=tp_mode,
-            extra_scale_factor=extra_scale_factor,
-        )
         if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        MuonFsdpConfig(
-            mode=mode,
-            bucket_size_bytes=bucket_size_bytes,
-            ns_method=ns_method,
-            gram_half_dtype=gram_half_dtype,
-            gram_restarts=gram_restarts,
-            offload_momentum=offload_momentum,
-        )
-        if split_qkv and is_qkv_fn is None:
+        muon = muon if muon is not None else MuonConfig(split_qkv=False)
+        fsdp = fsdp if fsdp is not None else MuonFsdpConfig()
+        if muon.split_qkv and is_qkv_fn is None:
             raise ValueError("split_qkv=True needs is_qkv_fn to tell which params are QKV weights")
+        self.ns_config = fsdp.ns_config(muon)
+        check_ns_method(self.ns_config, muon.tp_mode, pg_collection)
         super().__init__(
             params,
             lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
             weight_decay=weight_decay,
             use_decoupled_weight_decay=use_decoupled_weight_decay,
-            split_qkv=split_qkv,
             is_qkv_fn=is_qkv_fn,
             qkv_split_shapes=qkv_split_shapes,
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            num_ns_steps=num_ns_steps,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
             pg_collection=pg_collection,
-            tp_mode=tp_mode,
+            # Stock TensorParallelMuon knows blockwise/duplicated/distributed only: layer_sharded
+            # runs its NS as duplicated does, on the unsplit matrix (tp_grid).
+            **{**muon.tensor_parallel_muon_kwargs(), "tp_mode": stock_tp_mode(muon.tp_mode)},
         )
-        self.ns_config = NSConfig(
-            num_ns_steps=num_ns_steps,
-            coefficient_type=coefficient_type,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            ns_method=ns_method,
-            custom_coefficient_sets=(
-                tuple(custom_coefficient_sets) if custom_coefficient_sets is not None else None
-            ),
-            gram_restarts=gram_restarts,
-            gram_half_dtype=gram_half_dtype,
-        )
-        check_ns_method(self.ns_config, tp_mode, pg_collection)
+        self.tp_mode = muon.tp_mode
+        self.muon_config = muon
+        self.fsdp_config = fsdp
         self.dp_group = dp_group
-        self.mode: FsdpModeT = mode
-        self.bucket_size_bytes = bucket_size_bytes
-        self.overlap_buckets = overlap_buckets
-        self.offload_momentum = offload_momentum
-        self.min_split_flops = min_split_flops
         self.step_stats = StepStats()
         self._offload = MomentumOffload()
-        self._plan: _Plan | None = None
-        check_param_meshes(self._all_params(), dp_group, tp_mode, pg_collection)
+        self._plan: OptimizerPlan | None = None
+        check_param_meshes(self._all_params(), dp_group, muon.tp_mode, pg_collection)
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
+
+    @classmethod
+    def from_keywords(
+        cls, params: ParamsT, lr: float = 3e-4, weight_decay: float = 0.01, **keywords: Any
+    ) -> ShardedMuon:
+        """A ``ShardedMuon`` from ``TensorParallelMuon``'s flat keywords, with its defaults.
+
+        ``keywords``: ``TensorParallelMuon``'s (``momentum=``, ``nesterov=``, ... go to the
+        ``MuonConfig``, whose unnamed fields take ``TensorParallelMuon``'s defaults, e.g.
+        ``nesterov=True``, ``tp_mode="duplicated"``), ``MuonFsdpConfig`` fields (``mode=``, ...)
+        and ``ShardedMuon``'s other keywords (``dp_group=``, ...): each by its name.
+
+        Raises:
+            TypeError: a keyword that names none of these.
+        """
+        muon = {k: keywords.pop(k) for k in list(keywords) if k in _MUON_FIELDS}
+        fsdp = {k: keywords.pop(k) for k in list(keywords) if k in _FSDP_FIELDS}
+        return cls(
+            params,
+            lr=lr,
+            weight_decay=weight_decay,
+            muon=MuonConfig(**{**_TENSOR_PARALLEL_MUON_DEFAULTS, **muon}),
+            fsdp=MuonFsdpConfig(**fsdp),
+            **keywords,
+        )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group`` (also used by the constructor), refusing params that
@@ -303,7 +226,7 @@ class ShardedMuon(TensorParallelMuon):
         runner = NSRunner(
             self.ns_config,
             self.step_stats,
-            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], full),
+            lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], matrix, full),
             lambda m, full: self._finish_matrix(plan.params[m.param], groups[m.param], full),
         )
         experts = [i for i in plan.experts if i in inputs]
@@ -320,7 +243,7 @@ class ShardedMuon(TensorParallelMuon):
                 finalize=lambda m, update: finalize(m.matrix.param, update),
                 stats=self.step_stats,
             )
-        if self.offload_momentum:
+        if self.fsdp_config.offload_momentum:
             momenta = (self.state[p]["momentum_buffer"] for p in self._all_params())
             self._offload.offload(local_tensor(m) for m in momenta)
         return None
@@ -340,7 +263,9 @@ class ShardedMuon(TensorParallelMuon):
         # Hook: after NS, on the rank holding the whole fp32 matrix; Muon's update is NS's result.
         return full
 
-    def _around_orthogonalization(self, plan: _Plan, active: list[bool]) -> AbstractContextManager:
+    def _around_orthogonalization(
+        self, plan: OptimizerPlan, active: list[bool]
+    ) -> AbstractContextManager:
         # Hook: a subclass's collectives over dp_group before and after NS (Muon: none).
         return nullcontext()
 
@@ -352,13 +277,31 @@ class ShardedMuon(TensorParallelMuon):
         local.add_(update, alpha=-group["lr"])
         self.post_weight_update_fn_inplace(local)
 
-    def _tp_orthogonalize(self, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """``TensorParallelMuon.orthogonalize`` of a DP-full, TP-partitioned matrix (TP
-        collectives over its TP group); counts the FLOPs each TP rank runs."""
-        result = self.orthogonalize(param, full)
-        copies = dist.get_world_size(tp_group(param, self.pg_collection))
-        flops = ns_flops(full.shape[0], full.shape[1], self.ns_config.num_ns_steps)
-        self.step_stats.ns_flops += flops * (copies if self.tp_mode == "duplicated" else 1)
+    def _tp_orthogonalize(
+        self, param: torch.Tensor, matrix: NSMatrix, full: torch.Tensor
+    ) -> torch.Tensor:
+        """``TensorParallelMuon``'s NS of a ``stock_ns`` matrix: under layer_sharded the stacked
+        TP partitions, unsplit here (``tp_grid``); else the DP-full TP partition through
+        ``orthogonalize`` (TP collectives over its TP group). Counts the FLOPs this rank runs:
+        the unsplit matrix's NS (duplicated, layer_sharded), or a TP rank's share (distributed).
+        """
+        count, dim = matrix.tp_partitions, matrix.tp_partition_dim
+        if count > 1:
+            unsplit = orthogonalize_unsplit(
+                lambda g: self.scaled_orthogonalize_fn(g, None, None),
+                join_partitions(full, count, dim),
+                matrix.qkv_split_shapes,
+            )
+            result, (rows, cols) = stack_partitions(unsplit, count, dim), matrix.ns_shape
+        else:
+            result = self.orthogonalize(param, full)
+            count = dist.get_world_size(tp_group(param, self.pg_collection))
+            # TensorParallelMuon joins the TP partitions along partition_dim (0 or 1).
+            shape = [*full.shape]
+            shape[param.partition_dim] *= count  # type: ignore[attr-defined]  # Megatron's attr
+            rows, cols = shape
+        flops = pieces_flops(qkv_pieces(rows, cols, matrix.qkv_split_shapes), self.ns_config)
+        self.step_stats.ns_flops += flops // count if self.tp_mode == "distributed" else flops
         return result
 
     def bring_momentum_back(self) -> None:
@@ -384,7 +327,7 @@ class ShardedMuon(TensorParallelMuon):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
-    def _step_plan(self) -> _Plan:
+    def _step_plan(self) -> OptimizerPlan:
         """The plan of the current params: kept while they are the same tensors, else rebuilt."""
         params = self._all_params()
         plan = self._plan
@@ -393,7 +336,7 @@ class ShardedMuon(TensorParallelMuon):
             or len(plan.params) != len(params)
             or not all(a is b for a, b in zip(plan.params, params, strict=True))
         ):
-            plan = self._plan = _Plan.build(self, params)
+            plan = self._plan = OptimizerPlan.build(self, params)
         return plan
 
 

@@ -77,22 +77,42 @@ class NSMatrix:
             (``qkv``); ``()`` otherwise.
         tp_collectives: its NS runs through ``TensorParallelMuon.orthogonalize``, whose
             tensor-parallel collectives need the whole matrix on one rank (never split).
+        tp_partitions: under tp_mode ``layer_sharded``, the TP partitions stacked along the rows
+            of ``layout`` (``tp_grid``); 1 otherwise.
+        tp_partition_dim: the dim along which those partitions join into the unsplit matrix.
     """
 
     param: int
     layout: RowLayout
     qkv_split_shapes: tuple[int, ...] = ()
     tp_collectives: bool = False
+    tp_partitions: int = 1
+    tp_partition_dim: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
-        """``(rows, cols)`` of the matrix."""
+        """``(rows, cols)`` of the matrix as it is exchanged (``layout``'s)."""
         return self.layout.num_rows, self.layout.row_shape[0]
+
+    @property
+    def ns_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of the matrix NS runs on: the unsplit one of stacked TP partitions
+        joined along ``tp_partition_dim`` (``tp_grid``), else ``shape``."""
+        rows, cols = self.shape
+        if self.tp_partition_dim == 1:
+            return rows // self.tp_partitions, cols * self.tp_partitions
+        return rows, cols
+
+    @property
+    def stock_ns(self) -> bool:
+        """Its NS is ``TensorParallelMuon``'s on the whole matrix, on one rank (never split):
+        with TP collectives (duplicated, distributed) or unsplit here (layer_sharded)."""
+        return self.tp_collectives or self.tp_partitions > 1
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
         """``(rows, cols)`` of each matrix NS runs on: Q, K and V under QKV split, else itself."""
-        return qkv_pieces(*self.shape, self.qkv_split_shapes)
+        return qkv_pieces(*self.ns_shape, self.qkv_split_shapes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +173,7 @@ def plan_step(
 
     Each matrix's cost is its NS FLOPs under ``ns_config`` (the NS-method registry). Where the
     method is splittable (``NSConfig.splittable``), ``planner.plan_split_owners`` may split the NS
-    of matrices costing at least ``min_split_flops`` (and without tensor-parallel collectives)
+    of matrices costing at least ``min_split_flops`` (and not ``NSMatrix.stock_ns``)
     over up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte``
     (``element_bytes`` per element); otherwise ``planner.plan_owners`` gives each matrix one
     owner (largest cost first onto the least-loaded rank).
@@ -181,7 +201,7 @@ def plan_step(
         owner_plan = plan_split_owners(
             costs,
             group_size,
-            [None if m.tp_collectives else m.pieces for m in matrices],
+            [None if m.stock_ns else m.pieces for m in matrices],
             ns_config.num_ns_steps,
             max_split=max_split,
             min_split_cost=min_split_flops,

@@ -6,9 +6,12 @@ tensor-parallel-local, data-parallel-full matrix to NS. Under ``tp_mode="blockwi
 orthogonalizes its own block; under ``"duplicated"``/``"distributed"`` a TP-partitioned matrix
 (``param.partition_dim`` set) goes through ``TensorParallelMuon.orthogonalize`` whole, which runs
 collectives over ``pg_collection.tp`` (``pg_collection.expt_tp`` for experts,
-``param.expert_tp``) among the TP ranks holding the same matrix.
+``param.expert_tp``) among the TP ranks holding the same matrix. Under ``"layer_sharded"`` the
+rows travel over the whole DP x TP grid instead and each unsplit matrix is orthogonalized once
+(``tp_grid``); ``TensorParallelMuon`` never sees that mode (``stock_tp_mode``).
 
 - ``tp_group``, ``needs_tp_collectives``: the TP group of a param, and whether its NS uses it.
+- ``stock_tp_mode``: the tp_mode ``TensorParallelMuon`` is built with.
 - ``check_param_meshes``: metadata checks, at construction, that each DTensor param's mesh agrees
   with the groups the optimizer will run collectives over; ``check_ns_method``: that the NS
   method can run under the tp_mode.
@@ -31,6 +34,7 @@ __all__ = [
     "check_ns_method",
     "check_param_meshes",
     "needs_tp_collectives",
+    "stock_tp_mode",
     "tp_group",
     "tp_size",
 ]
@@ -50,9 +54,16 @@ def tp_group(param: torch.Tensor, pg_collection: Any) -> dist.ProcessGroup | Non
     return pg_collection.expt_tp if getattr(param, "expert_tp", False) else pg_collection.tp
 
 
+def stock_tp_mode(tp_mode: TpModeT) -> TpModeT:
+    """What ``TensorParallelMuon`` (megatron-core's, which knows three modes) is built with:
+    ``layer_sharded`` computes ``duplicated``'s update, without its ``orthogonalize``."""
+    return "duplicated" if tp_mode == "layer_sharded" else tp_mode
+
+
 def needs_tp_collectives(param: torch.Tensor, tp_mode: TpModeT, pg_collection: Any) -> bool:
-    """True when ``TensorParallelMuon.orthogonalize`` would communicate over TP for ``param``."""
-    if tp_mode == "blockwise":
+    """True when ``TensorParallelMuon.orthogonalize`` would communicate over TP for ``param``
+    (never under blockwise or layer_sharded)."""
+    if tp_mode in ("blockwise", "layer_sharded"):
         return False
     partition_dim = getattr(param, "partition_dim", None)
     if partition_dim is None or partition_dim == -1:
@@ -63,7 +74,8 @@ def needs_tp_collectives(param: torch.Tensor, tp_mode: TpModeT, pg_collection: A
 
 def check_ns_method(config: NSConfig, tp_mode: TpModeT, pg_collection: Any) -> None:
     """Under tensor parallelism with tp_mode duplicated/distributed, NS runs through
-    ``TensorParallelMuon.orthogonalize`` across TP ranks, i.e. its own standard NS.
+    ``TensorParallelMuon.orthogonalize`` across TP ranks, i.e. its own standard NS; under
+    layer_sharded the same NS on the unsplit matrix, so that it is ``duplicated``'s update.
 
     Raises:
         ValueError: ``config`` asks for another method or custom coefficients there.
@@ -73,7 +85,7 @@ def check_ns_method(config: NSConfig, tp_mode: TpModeT, pg_collection: Any) -> N
     raise ValueError(
         f"ns_method={config.ns_method!r} / custom coefficients run in megatron_muon's own NS; "
         f"tp_mode={tp_mode!r} with tensor parallelism runs TensorParallelMuon's standard "
-        "NS across TP ranks. Use tp_mode='blockwise' or the standard method."
+        "NS on the unsplit matrices. Use tp_mode='blockwise' or the standard method."
     )
 
 
@@ -82,21 +94,28 @@ def check_param_meshes(
     dp_group: dist.ProcessGroup | None,
     tp_mode: TpModeT,
     pg_collection: Any,
+    names: Sequence[str | None] | None = None,
 ) -> None:
     """Each DTensor param's mesh matches ``dp_group`` (its rows) and, where tensor parallelism
-    splits it and ``tp_mode`` communicates, the TP group of ``TensorParallelMuon``. Metadata
-    only: no collective.
+    splits it and ``tp_mode`` communicates, the TP group of ``TensorParallelMuon``; a TP-split
+    param is one ``tp_mode`` can run on. Metadata only: no collective.
+
+    Args:
+        names: each param's name, where the caller knows it (the factory), for the message.
 
     Raises:
-        ValueError: naming the param, its placements and the group that disagrees.
+        ValueError: naming the param (position, name where given, shape), its placements and
+            the group that disagrees or what the mode cannot do.
     """
     dp_ranks = sorted(group_ranks(dp_group))
     for index, param in enumerate(params):
         if not isinstance(param, DTensor):
             continue
         axes = mesh_axes(param, dp_ranks)
+        name = f" ({names[index]})" if names is not None and names[index] else ""
         where = (
-            f"param {index} of shape {tuple(param.shape)} (placements {tuple(param.placements)})"
+            f"param {index}{name} of shape {tuple(param.shape)} "
+            f"(placements {tuple(param.placements)})"
         )
         if sorted(axes.data_parallel_ranks) != dp_ranks:
             raise ValueError(
@@ -118,7 +137,8 @@ def _check_tensor_parallel_split(
 ) -> None:
     """Under tp_mode duplicated/distributed, ``TensorParallelMuon.orthogonalize`` joins the
     TP blocks along ``param.partition_dim`` over ``pg_collection.tp`` (``expt_tp``): both must
-    be what the DTensor's tensor-parallel axis says."""
+    be what the DTensor's tensor-parallel axis says. Under layer_sharded the blocks join along
+    ``partition_dim`` on one owner of the grid the DTensor's mesh spans (no TP group used)."""
     if param.ndim != 2:
         raise ValueError(
             f"{where} is split over tensor-parallel ranks {list(split.ranks)}: tp_mode="
@@ -131,6 +151,8 @@ def _check_tensor_parallel_split(
             f"{split.dim}, but its partition_dim is {partition_dim}: tp_mode="
             f"{tp_mode!r} joins the TP blocks along partition_dim"
         )
+    if tp_mode == "layer_sharded":
+        return
     group = tp_group(param, pg_collection)
     ranks = sorted(group_ranks(group)) if group is not None else None
     if ranks != sorted(split.ranks):

@@ -1,0 +1,237 @@
+"""Storage faults in Megatron-LM's loop with Muon on Megatron-FSDP: nothing half-saved, nothing
+half-loaded, no rank left waiting (``megatron_muon.integrations.checkpoint_integrity``).
+
+Three launches of ``examples/pretrain_gpt_megatron.py`` (``tests/torchrun.py``: 2 CPU ranks,
+optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
+
+1. the disk fills up on rank 1 during the save of iteration 8 (``RLIMIT_FSIZE`` from that save
+   on: ``tests/megatron_lm_driver.py``): both ranks stop with the one error naming the directory
+   and the cause, the tracker still names iteration 4, no ``iter_0000008`` is left;
+2. a run with ``--load`` of that directory resumes from iteration 4 and repeats iterations 5 to 8
+   exactly (the same grad norms at full precision, the same losses as printed);
+3. ``--load`` of a copy of iteration 4 with one bit flipped in a data file: every rank refuses it,
+   naming the file, before training (stock Megatron loaded it silently).
+
+The other refusals of a load (a truncated data file in a checkpoint saved without the hashes, a
+truncated ``.metadata``, an empty tracker, a save that never finished) call the same check that
+``--load`` runs, on the files launch 1 wrote, from ``run_on_ranks``: a torchrun launch each would
+cost 15 to 45 s. ``--async-save`` is refused at argument validation (single process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from megatron_muon.testing import run_on_ranks
+from tests.torchrun import MegatronRun, run_megatron
+
+pytestmark = pytest.mark.timeout(600)
+
+SAVE_INTERVAL = 4
+FULL_AT = 8  # the save that fills the disk
+TRAIN_ITERS = 12
+FLAGS = [
+    *("--optimizer muon --lr 0.02 --muon-fp32-matmul-prec high").split(),
+    *("--data-parallel-sharding-strategy optim_grads_params").split(),
+    *("--train-iters", str(TRAIN_ITERS), "--save-interval", str(SAVE_INTERVAL)),
+]
+# Rank 1 may write no file beyond 20 kB from the save of iteration 8 on; its shard file of the
+# tiny GPT's checkpoint holds 1.2 MB.
+DISK_FULL = {"MEGATRON_MUON_FILE_SIZE_LIMIT": f"1:{FULL_AT}:20000"}
+TRACKER = "latest_checkpointed_iteration.txt"
+SAVED = f"iter_{SAVE_INTERVAL:07d}"
+
+
+def _flip_one_byte(file: Path) -> None:
+    with open(file, "r+b") as handle:
+        handle.seek(os.path.getsize(file) // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The three launches of the module docstring, and the damaged copies made between them."""
+    root = tmp_path_factory.mktemp("storage_faults")
+    save = root / "checkpoints"
+    full = run_megatron([*FLAGS, "--save", str(save)], env=DISK_FULL, check=False)
+    listing = sorted(os.listdir(save))
+    tracker = (save / TRACKER).read_text()
+    copies = {}
+    for case in ("bit_flip", "truncated", "metadata", "empty_tracker", "unfinished"):
+        copies[case] = root / case
+        shutil.copytree(save / SAVED, copies[case] / SAVED)
+        (copies[case] / TRACKER).write_text(str(SAVE_INTERVAL))
+    resumed = run_megatron([*FLAGS, "--load", str(save), "--save", str(save), "--no-load-rng"])
+    _flip_one_byte(copies["bit_flip"] / SAVED / "__0_0.distcp")
+    refused = run_megatron(
+        [*FLAGS, "--load", str(copies["bit_flip"]), "--no-load-rng"], check=False
+    )
+    return {
+        "full": full,
+        "listing": listing,
+        "tracker": tracker,
+        "save": save,
+        "resumed": resumed,
+        "refused": refused,
+        "copies": copies,
+    }
+
+
+@pytest.mark.multirank
+def test_a_save_on_a_full_disk_stops_every_rank_with_one_error_and_publishes_nothing(
+    runs: dict[str, Any],
+) -> None:
+    full: MegatronRun = runs["full"]
+    assert full.returncode != 0
+    assert sorted(full.iterations) == list(range(1, FULL_AT + 1))
+    directory = runs["save"] / f"iter_{FULL_AT:07d}"
+    error = (
+        f"CheckpointError: saving the checkpoint of iteration {FULL_AT} to {directory} failed: "
+        f"rank 1: EFBIG File too large. Nothing was published: {runs['save'] / TRACKER} still "
+        f"names iteration {SAVE_INTERVAL}, which this save did not touch; the partial "
+        f"{directory} was removed"
+    )
+    for rank, output in full.rank_outputs.items():
+        assert error in output, f"rank {rank}:\n{output[-3000:]}"
+        # One error: not DCP's CheckpointException with a traceback per failing rank.
+        assert "(RANK 1)" not in output, f"rank {rank}:\n{output[-3000:]}"
+    assert runs["tracker"].strip() == str(SAVE_INTERVAL)
+    assert runs["listing"] == [SAVED, TRACKER]  # no partial iter_0000008
+    assert "megatron_muon_files.json" in os.listdir(runs["save"] / SAVED)
+
+
+@pytest.mark.multirank
+def test_the_next_run_resumes_from_the_previous_checkpoint_bitwise(runs: dict[str, Any]) -> None:
+    full, resumed = runs["full"], runs["resumed"]
+    assert sorted(resumed.iterations) == list(range(SAVE_INTERVAL + 1, TRAIN_ITERS + 1))
+    # Rank 0's grad norm of every step at full precision: iterations 1-8, then 5-12.
+    repeated = FULL_AT - SAVE_INTERVAL
+    assert (
+        len(full.grad_norms) == FULL_AT and len(resumed.grad_norms) == TRAIN_ITERS - SAVE_INTERVAL
+    )
+    assert resumed.grad_norms[:repeated] == full.grad_norms[SAVE_INTERVAL:FULL_AT]
+    for iteration in range(SAVE_INTERVAL + 1, FULL_AT + 1):
+        assert (
+            resumed.iterations[iteration]["grad norm"] == full.iterations[iteration]["grad norm"]
+        ), iteration
+    # Megatron's first log line after a start does not reset its loss sum: the second line after
+    # the start prints the mean of both lines' losses, here and in the first run (iteration 2).
+    for iteration in (SAVE_INTERVAL + 1, *range(SAVE_INTERVAL + 3, FULL_AT + 1)):
+        assert resumed.iterations[iteration]["lm loss"] == full.iterations[iteration]["lm loss"]
+    assert (runs["save"] / TRACKER).read_text().strip() == str(TRAIN_ITERS)
+    for iteration in (FULL_AT, TRAIN_ITERS):
+        saved = os.listdir(runs["save"] / f"iter_{iteration:07d}")
+        assert "megatron_muon_files.json" in saved, saved
+
+
+@pytest.mark.multirank
+def test_a_flipped_bit_is_refused_on_every_rank_naming_the_file(runs: dict[str, Any]) -> None:
+    refused: MegatronRun = runs["refused"]
+    assert refused.returncode != 0
+    assert refused.iterations == {}  # nothing trained on the damaged state
+    directory = runs["copies"]["bit_flip"] / SAVED
+    error = (
+        f"IncompleteCheckpointError: checkpoint {directory} is damaged: __0_0.distcp does not "
+        "have the SHA-256 it was saved with"
+    )
+    for rank, output in refused.rank_outputs.items():
+        assert error in output, f"rank {rank}:\n{output[-3000:]}"
+
+
+# --------------------------------------------------------------------------------------------------
+# the same check on more damage, without a launch of Megatron's loop each
+# --------------------------------------------------------------------------------------------------
+
+
+def _refusals(rank: int, world_size: int, loads: list[tuple[str, int | None]]) -> list[str]:
+    """What ``check_checkpoint_files`` raised for each (``--load``, ``--ckpt-step``)."""
+    from megatron_muon.integrations.checkpoint_integrity import check_checkpoint_files
+
+    raised = []
+    for load, ckpt_step in loads:
+        try:
+            check_checkpoint_files(SimpleNamespace(load=load, ckpt_step=ckpt_step))
+            raised.append("nothing")
+        except Exception as error:  # noqa: BLE001 - the test compares what every rank raised
+            raised.append(f"{type(error).__name__}: {error}")
+    return raised
+
+
+@pytest.mark.multirank
+def test_truncated_or_unfinished_checkpoints_and_a_damaged_tracker_are_refused_on_every_rank(
+    runs: dict[str, Any],
+) -> None:
+    copies = runs["copies"]
+    truncated = copies["truncated"] / SAVED
+    shard_size = os.path.getsize(truncated / "__1_0.distcp")
+    metadata_size = os.path.getsize(truncated / ".metadata")
+    os.remove(truncated / "megatron_muon_files.json")  # as saved without install(): no hashes
+    os.truncate(truncated / "__1_0.distcp", 600_000)
+    os.truncate(copies["metadata"] / SAVED / ".metadata", 1000)
+    (copies["empty_tracker"] / TRACKER).write_text("")
+    # What a save that stopped before DCP's .metadata left (--ckpt-step names it).
+    os.remove(copies["unfinished"] / SAVED / ".metadata")
+    cases = [
+        (
+            "truncated",
+            None,
+            f"IncompleteCheckpointError: checkpoint {truncated} is damaged: __1_0.distcp holds "
+            f"600000 bytes, its .metadata references {shard_size} (truncated)",
+        ),
+        ("metadata", None, f".metadata has 1000 bytes, {metadata_size} were written"),
+        (
+            "empty_tracker",
+            None,
+            f"CheckpointError: --load {copies['empty_tracker']}: its tracker "
+            f"{copies['empty_tracker'] / TRACKER} holds '', not an iteration",
+        ),
+        ("unfinished", SAVE_INTERVAL, "is incomplete: no .metadata (its save did not finish)"),
+    ]
+    loads = [(str(copies[case]), ckpt_step) for case, ckpt_step, _ in cases]
+    for rank, raised in enumerate(run_on_ranks(_refusals, 2, loads, timeout=120)):
+        for (case, _, phrase), result in zip(cases, raised, strict=True):
+            assert phrase in result, (case, rank, result)
+
+
+# --------------------------------------------------------------------------------------------------
+# --async-save (single process)
+# --------------------------------------------------------------------------------------------------
+
+_ARGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 5 "
+    "--lr 0.01 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--no-gradient-accumulation-fusion --use-megatron-fsdp --ckpt-format fsdp_dtensor "
+    "--optimizer muon --data-parallel-sharding-strategy optim_grads_params "
+    "--save /tmp/unused --save-interval 4 "
+)
+
+
+def _validated(monkeypatch: pytest.MonkeyPatch, flags: str) -> argparse.Namespace:
+    from megatron.training import arguments
+
+    from megatron_muon.integrations import megatron_lm
+
+    megatron_lm.install(cpu_stand_ins=False)
+    # validate_args asks the GPU's compute capability under Megatron-FSDP.
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    return arguments.validate_args(arguments.parse_args())
+
+
+def test_async_save_is_refused_at_start_naming_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    persistent = "--async-save --use-persistent-ckpt-worker --async-strategy mcore"
+    with pytest.raises(ValueError, match="--async-save with --optimizer muon --use-megatron-fsdp"):
+        _validated(monkeypatch, _ARGS + persistent)
+    # Without a persistent worker Megatron itself turns --async-save off: saves are synchronous.
+    assert not _validated(monkeypatch, _ARGS + "--async-save").async_save
