@@ -1,17 +1,22 @@
 """``--optimizer adaptive_muon`` in Megatron-LM's own loop, with and without Megatron-FSDP.
 
-The reference of each second-moment method is megatron-core's own ``TensorParallelAdaptiveMuon``
-with its crash fixed (``integrations.adaptive_muon_fix``, which ``install()`` registers) on one rank
-without Megatron-FSDP; ours is ``ShardedAdaptiveMuon`` under ``--use-megatron-fsdp --ckpt-format
-fsdp_dtensor`` at DP=2, one sharding strategy per method (and the gather mode once). 8 iterations'
-losses and grad norms agree to the printed digits (``RELATIVE_TOLERANCE``; Newton-Schulz in fp32,
-``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why). The GPT uses rotary
-position embeddings: stock megatron-core routes a learned position embedding to the matrix
-optimizer (it carries no embedding tag) where ours routes it to AdamW (``fsdp.routing``).
+In process: megatron-core's ``TensorParallelAdaptiveMuon`` crashes at its first step and its
+fixed subclass (``integrations.adaptive_muon_fix``, which ``install()`` registers) steps as
+emerging-optimizers' ``AdaptiveMuon`` for every second-moment method; ``validate_args`` accepts
+``--optimizer adaptive_muon --use-megatron-fsdp`` and the ``--adaptive-muon-*`` flags.
 
-The normuon run saves at 4 and 8; a run resumed from 4 in fresh processes prints the same losses
-and saves bitwise the same state (second moments included) at 8. Launches: 3 one-rank references,
-3 DP=2 runs, 1 resume.
+Launched (normuon, whose second moment is the one that needs collectives: built on each matrix's
+owner, then shared): the reference is the fixed stock class on one rank without Megatron-FSDP;
+ours is ``ShardedAdaptiveMuon`` under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2.
+8 iterations' losses and grad norms agree to the printed digits (``RELATIVE_TOLERANCE``;
+Newton-Schulz in fp32, ``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why).
+The GPT uses rotary position embeddings: stock megatron-core routes a learned position embedding
+to the matrix optimizer (it carries no embedding tag) where ours routes it to AdamW
+(``fsdp.routing``). The run saves at 4 and 8; a run resumed from 4 in fresh processes prints the
+same losses and saves bitwise the same state (second moments included) at 8. Launches: 1 one-rank
+reference, 1 DP=2 run, 1 resume. adamuon and namo are covered on row shards at DP 1-4
+(tests/test_sharded_adaptive_muon.py) and in the factory beside the stock class
+(tests/test_factory_adaptive_muon.py).
 """
 
 from __future__ import annotations
@@ -29,61 +34,38 @@ from tests.megatron_lm_logs import (
     load_fsdp_dtensor_checkpoint,
 )
 from tests.muon_reference import full_tensor
-from tests.torchrun import DRIVER, TINY_GPT_CPU_FLAGS, MegatronRun, run_megatron
+from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
 METHODS = ("adamuon", "normuon", "namo")
 NUM_ITERS, SAVE_AT = 8, 4
-# One strategy per method (launches are the slowest tests); adamuon also runs the gather mode.
-STRATEGY = {"adamuon": "optim_grads", "normuon": "optim_grads_params", "namo": "optim"}
-FSDP_MODE = {"adamuon": "gather"}
-_FSDP_ONLY = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
-# adamuon's first update is sign(NS result) / sqrt(1 - beta2) per element, times Muon's scale: at
-# lr 0.02 it moves each weight by ~0.5, and from there the DP=1 and DP=2 reduction orders part the
-# losses from iteration 3 (4.90456 vs 4.904685, measured); at 0.001 they agree to 2e-6 and the loss
-# still falls 10% in 5 iterations.
-LR = {"adamuon": "0.001"}
+STRATEGY = "optim_grads_params"
+FLAGS = [
+    *("--optimizer adaptive_muon --muon-fp32-matmul-prec high --lr 0.02").split(),
+    *("--adaptive-muon-moment2-method normuon --adaptive-muon-beta2 0.9").split(),
+    *("--position-embedding-type rope --train-iters").split(),
+    str(NUM_ITERS),
+]
 
 
-def _flags(method: str) -> list[str]:
-    return [
-        *("--optimizer adaptive_muon --muon-fp32-matmul-prec high --lr").split(),
-        LR.get(method, "0.02"),
-        *("--adaptive-muon-moment2-method", method, "--adaptive-muon-beta2", "0.9"),
-        *("--position-embedding-type rope --train-iters").split(),
-        str(NUM_ITERS),
-    ]
-
-
-_RUNS: dict[tuple[str, str], MegatronRun] = {}
-
-
-def _stock(method: str) -> MegatronRun:
+@pytest.fixture(scope="module")
+def stock_normuon() -> MegatronRun:
     """One rank, no Megatron-FSDP: megatron-core's optimizer (the fixed adaptive-Muon class)."""
-    if ("stock", method) not in _RUNS:
-        flags = [f for f in TINY_GPT_CPU_FLAGS if f not in _FSDP_ONLY]
-        _RUNS[("stock", method)] = run_megatron(
-            [*flags, *_flags(method)], nproc=1, entry=[str(DRIVER)], entry_prints_done_marker=True
-        )
-    return _RUNS[("stock", method)]
-
-
-def _ours(method: str, checkpoint_root: Path) -> MegatronRun:
-    """DP=2 under Megatron-FSDP (normuon also saves at 4 and 8)."""
-    if ("fsdp", method) not in _RUNS:
-        extra = ["--data-parallel-sharding-strategy", STRATEGY[method]]
-        extra += ["--muon-fsdp-mode", FSDP_MODE.get(method, "owner")]
-        if method == "normuon":
-            extra += ["--save", str(checkpoint_root / "uninterrupted")]
-            extra += ["--save-interval", str(SAVE_AT)]
-        _RUNS[("fsdp", method)] = run_megatron([*_flags(method), *extra], nproc=2)
-    return _RUNS[("fsdp", method)]
+    return run_megatron(FLAGS, nproc=1, megatron_fsdp=False)
 
 
 @pytest.fixture(scope="module")
 def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("adaptive_muon_ckpt")
+
+
+@pytest.fixture(scope="module")
+def fsdp_normuon(checkpoint_root: Path) -> MegatronRun:
+    """DP=2 under Megatron-FSDP, saving at 4 and 8."""
+    extra = ["--data-parallel-sharding-strategy", STRATEGY]
+    extra += ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", str(SAVE_AT)]
+    return run_megatron([*FLAGS, *extra], nproc=2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,32 +156,33 @@ def test_validate_args_accepts_adaptive_muon_with_megatron_fsdp_and_its_flags(
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("method", METHODS)
 def test_adaptive_muon_on_megatron_fsdp_equals_the_stock_optimizer_on_one_rank(
-    method: str, checkpoint_root: Path
+    stock_normuon: MegatronRun, fsdp_normuon: MegatronRun
 ) -> None:
-    reference, run = _stock(method), _ours(method, checkpoint_root)
+    reference, run = stock_normuon, fsdp_normuon
     losses = run.series("lm loss")
     print(
-        f"\n{method} DP=2 {STRATEGY[method]}: {losses}\n{method} stock DP=1: "
+        f"\nnormuon DP=2 {STRATEGY}: {losses}\nnormuon stock DP=1: "
         f"{reference.series('lm loss')} ({run.wall_s:.0f} s, {reference.wall_s:.0f} s)"
     )
     assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
     assert reference.optimizers[0]["class"] == "ChainedOptimizer"  # megatron-core's own
     for described in run.optimizers.values():
-        assert any(f"AdaptiveMuon({method})[dense]" in line for line in described["summary"])
+        assert any("AdaptiveMuon(normuon)[dense]" in line for line in described["summary"])
     assert_loss_falls(losses)
     assert_same_losses(losses, reference.series("lm loss"))
     assert_same_losses(run.series("grad norm"), reference.series("grad norm"))
 
 
 @pytest.mark.multirank
-def test_adaptive_muon_resumes_bitwise_from_fsdp_dtensor_checkpoint(checkpoint_root: Path) -> None:
-    uninterrupted = _ours("normuon", checkpoint_root)
+def test_adaptive_muon_resumes_bitwise_from_fsdp_dtensor_checkpoint(
+    fsdp_normuon: MegatronRun, checkpoint_root: Path
+) -> None:
+    uninterrupted = fsdp_normuon
     resumed = run_megatron(
         [
-            *_flags("normuon"),
-            *("--data-parallel-sharding-strategy", STRATEGY["normuon"]),
+            *FLAGS,
+            *("--data-parallel-sharding-strategy", STRATEGY),
             *("--load", str(checkpoint_root / "uninterrupted"), "--ckpt-step", str(SAVE_AT)),
             "--no-load-rng",  # the CPU RNG stand-in's CUDA state is a dummy
             *("--save", str(checkpoint_root / "resumed"), "--save-interval", str(SAVE_AT)),
