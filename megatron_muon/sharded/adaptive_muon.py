@@ -20,11 +20,16 @@ method lets it live, calling ``AdaptiveMuon``'s own ``_apply_moment2_normalizati
   ``AdaptiveMuon``'s, given one-element tensors holding the global norms (the norm of a
   one-element tensor is its absolute value).
 
+``AdaptiveMuon``'s functions are eager (emerging-optimizers 0.3.0 compiles Lion's and Adam's
+update functions, not these) and get plain tensors: local rows (``local_tensor``), the owner's
+full matrix, or the replicated state; never a DTensor whose global shape differs from its rows.
+
 Refused at build time (``ValueError`` naming the setting): tensor parallelism (size > 1 under any
 ``tp_mode``: the reference is ``AdaptiveMuon`` on the full matrix; megatron-core's
 ``TensorParallelAdaptiveMuon`` normalizes each TP block on its own), params that are not 2-D (as
-``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and ``min_split_flops``
-(NS is never split over ranks here: the second moment needs the whole matrix on one rank).
+``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and a ``min_split_flops``
+other than the default (NS is never split over ranks here: the second moment needs the whole
+matrix on one rank).
 """
 
 from __future__ import annotations
