@@ -11,6 +11,9 @@ import torch.distributed as dist
 from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import MUON_KWARGS
 
+# The next step after a reshard equals the never-resharded run's within this (relative): the
+# gradients' all-reduce order differs with DP size.
+RESHARD_TOLERANCE = 1e-6
 GLOBAL_BATCH = 12  # divisible by every DP size used here
 DIM = 16
 
@@ -70,8 +73,11 @@ def build(
     hidden: int = 48,
     all_adam: bool = False,
     moe: bool = False,
+    adaptive: str | None = None,
 ):
     """Wrapped ToyMLP (or ToyMoE), [ShardedMuon(s), AdamW] with state for every param, scheduler.
+
+    ``adaptive``: the matrices train with ``ShardedAdaptiveMuon`` of that second-moment method.
 
     ToyMoE's 3-D expert weights get their own ShardedMuon over an expert data-parallel group (all
     ranks: expert-parallel size 1), as the factory routes Megatron's experts.
@@ -100,7 +106,15 @@ def build(
         optimizers.insert(
             0, ShardedMuon.from_keywords(experts, dp_group=expert_group, **MUON_KWARGS)
         )
-    if matrices:
+    if matrices and adaptive is not None:
+        from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+
+        config = AdaptiveMuonConfig(moment2_method=adaptive)  # type: ignore[arg-type]
+        matrix_optimizer = ShardedAdaptiveMuon.from_keywords(
+            matrices, adaptive=config, dp_group=dp_group, **MUON_KWARGS
+        )
+        optimizers.insert(0, matrix_optimizer)
+    elif matrices:
         optimizers.insert(0, ShardedMuon.from_keywords(matrices, dp_group=dp_group, **MUON_KWARGS))
     ensure_optimizer_state(optimizers)  # before the first step: no lazily missing state anywhere
     return wrapped, optimizers, WarmupScheduler(optimizers)
@@ -151,6 +165,8 @@ def local_snapshot(wrapped, optimizers) -> dict:
 
 def full_snapshot(wrapped, optimizers) -> dict:
     """Params and optimizer state gathered to full tensors (true uneven row layouts)."""
+    from torch.distributed.tensor import DTensor
+
     from megatron_muon.checkpointing import named_optimizer_params
     from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
@@ -158,7 +174,8 @@ def full_snapshot(wrapped, optimizers) -> dict:
     layouts = gather_row_layouts([p for _, p in named], None)
 
     def full(tensor: torch.Tensor, layout) -> torch.Tensor:
-        if tensor.ndim == 0:
+        # 0-d (Adam's step) or a plain replicated tensor (normuon's / namo's second moment).
+        if tensor.ndim == 0 or not isinstance(tensor, DTensor):
             return tensor.detach().clone()
         pieces: list = [None] * dist.get_world_size()
         dist.all_gather_object(pieces, local_tensor(tensor).detach().clone())
@@ -273,3 +290,28 @@ def assert_loads_fail(cases: list[tuple[str, str, tuple[str, ...]]], **kwargs) -
             for phrase in phrases:
                 assert phrase in result["message"], (rank, phrase, result["message"])
             assert result["unchanged"], f"rank {rank}: state changed by a failed load of {path}"
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_resharded(reference: dict, results: list[dict]) -> None:
+    for result in results:
+        assert not result["rng_restored"]
+        loaded, saved = result["loaded"], reference["saved"]
+        # Params, Muon momentum, AdamW moments and step: exactly the saved values, on every row.
+        for name, tensor in saved["params"].items():
+            assert torch.equal(loaded["params"][name], tensor), name
+        for name, state in saved["state"].items():
+            assert set(loaded["state"][name]) == set(state), name
+            for key, tensor in state.items():
+                assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
+        # The next step equals the never-resharded run's (grad reduction order differs).
+        for name, tensor in reference["next"]["params"].items():
+            assert _relative(result["next"]["params"][name], tensor) <= RESHARD_TOLERANCE, name
+        for name, state in reference["next"]["state"].items():
+            for key, tensor in state.items():
+                if tensor.ndim:
+                    error = _relative(result["next"]["state"][name][key], tensor)
+                    assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"

@@ -1,11 +1,13 @@
 """Tiny-GPT runs shared by the factory feature tests: a megatron-core GPT under Megatron-FSDP
 (megatron-core's ``FullyShardedDataParallel``, ``optim_grads_params``, gloo) with its optimizer
 built by ``build_muon_optimizer``, stepped on each rank's share of the same data at any DP size,
-and each rank's rows of every param, to assemble and compare.
+and each rank's rows of every param, to assemble and compare; and the parity runs beside the
+unsharded reference (``train_runs``, ``assert_matches_reference``).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests import gpt_parity
@@ -13,6 +15,8 @@ from tests.gpt_parity import SEQ, Run
 
 RUN = Run(wrapper="mcore", strategy="optim_grads_params")
 NUM_STEPS = 3
+# Steps of the parity runs beside the unsharded reference (``train_runs``).
+PARITY_STEPS = 5
 
 
 def _build(world_size: int, fsdp_kwargs: dict, qk_clip=None, **build_kwargs):
@@ -62,3 +66,27 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         pieces = sorted({(r[name][0], r[name][1].shape[0]): r[name][1] for r in per_rank}.items())
         full[name] = torch.cat([rows for (_, _), rows in pieces])
     return full
+
+
+def train_runs(rank: int, world_size: int, runs: list, moe: bool = False) -> list:
+    gpt_parity.init_megatron()
+    return [gpt_parity.train(run, rank, world_size, PARITY_STEPS, moe) for run in runs]
+
+
+def by_run(results: list[list[dict]], runs: list[Run]) -> dict[Run, list[dict]]:
+    """run -> its per-rank results."""
+    return {run: [rank_results[i] for rank_results in results] for i, run in enumerate(runs)}
+
+
+def assert_matches_reference(per_rank: list[dict]) -> float:
+    errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
+    worst = max(errors, key=errors.get)
+    print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
+    for result in per_rank:
+        for step, stats in enumerate(result["stats"]):
+            # The grad norm is global over FSDP shards (stock ChainedOptimizer: local shards only).
+            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
+            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
+            # Only key-bias grads (mathematically zero, ~1e-12 in fp32: 2 x 64) may differ.
+            assert abs(stats["num_zeros"] - stats["reference_num_zeros"]) <= 128, step
+    return errors[worst]

@@ -25,6 +25,7 @@ WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 MOMENTUM = 0.9
+ADAPTIVE_BETA2 = 0.9
 CLIP_GRAD = 0.3  # below the tiny GPT's grad norm (~1.4): clipping is active at every step
 
 
@@ -243,11 +244,19 @@ def reference_routes_to_muon(name: str, param: torch.Tensor) -> bool:
 
 
 class Reference:
-    """TensorParallelMuon (matrices) + AdamW (the rest; no weight decay on 1-D) on full tensors."""
+    """TensorParallelMuon (matrices; with ``moment2_method``, the fixed TensorParallelAdaptiveMuon)
+    + AdamW (the rest; no weight decay on 1-D) on full tensors."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, moment2_method: str | None = None, lr: float = LR
+    ) -> None:
         from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
+        from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
+
+        adaptive: dict = {}
+        if moment2_method is not None:
+            adaptive = dict(moment2_method=moment2_method, beta2=ADAPTIVE_BETA2)
         self.model = model
         named = list(model.named_parameters())
         muon = [p for n, p in named if reference_routes_to_muon(n, p)]
@@ -255,9 +264,9 @@ class Reference:
         undecayed = [p for n, p in named if p.ndim < 2]
         heads = model.config.num_attention_heads
         kv = model.config.kv_channels
-        self.muon = TensorParallelMuon(
+        self.muon = (TensorParallelAdaptiveMuonFixed if adaptive else TensorParallelMuon)(
             muon,
-            lr=LR,
+            lr=lr,
             momentum=MOMENTUM,
             nesterov=True,
             weight_decay=WEIGHT_DECAY,
@@ -266,13 +275,14 @@ class Reference:
             qkv_split_shapes=[kv, kv, kv],  # per query group (4 groups of 1 head each)
             fp32_matmul_prec="highest",
             tp_mode="blockwise",
+            **adaptive,
         )
         self.adamw = torch.optim.AdamW(
             [
                 {"params": decayed, "weight_decay": WEIGHT_DECAY},
                 {"params": undecayed, "weight_decay": 0.0},
             ],
-            lr=LR,
+            lr=lr,
             betas=BETAS,
             eps=EPS,
         )
@@ -349,7 +359,7 @@ def train(
     for step in range(steps):
         tokens, labels = batch(step, world_size)
         reference_loss, reference_norm, reference_zeros = reference.step(tokens, labels)
-        reordered.step(tokens, labels, num_chunks)
+        reordered_loss, reordered_norm, _ = reordered.step(tokens, labels, num_chunks)
         optimizer.zero_grad()
         mine = tokens.view(world_size, -1, SEQ)[rank], labels.view(world_size, -1, SEQ)[rank]
         losses = _forward_backward(run, wrapped, fsdp, *mine)
@@ -363,6 +373,8 @@ def train(
                 "reference_loss": reference_loss,
                 "grad_norm": float(grad_norm),
                 "reference_grad_norm": reference_norm,
+                "reordered_loss": reordered_loss,
+                "reordered_grad_norm": reordered_norm,
                 "num_zeros": num_zeros,
                 "reference_num_zeros": reference_zeros,
             }

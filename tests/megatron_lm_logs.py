@@ -1,8 +1,14 @@
 """What Megatron-LM's loop printed, and the checks the loop tests make on it: losses that fall,
-losses equal to a reference's to ``RELATIVE_TOLERANCE``, the lines a rank printed with a prefix.
+losses equal to a reference's to ``RELATIVE_TOLERANCE``, the lines a rank printed with a prefix,
+and a saved ``fsdp_dtensor`` checkpoint read back as full tensors.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from tests.torchrun import MegatronRun
 
@@ -32,3 +38,23 @@ def assert_same_losses(run: list[float], reference: list[float]) -> None:
 def printed_lines(run: MegatronRun, rank: int, prefix: str) -> list[str]:
     """The lines of ``rank``'s output that start with ``prefix`` (what the loop printed)."""
     return [line for line in run.rank_outputs[rank].splitlines() if line.startswith(prefix)]
+
+
+def load_fsdp_dtensor_checkpoint(directory: Path) -> dict[str, Any]:
+    """A ``fsdp_dtensor`` checkpoint as flat {dotted key: full tensor or object} (one process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = directory.parent / f"{directory.parent.name}_{directory.name}.pt"
+    dcp_to_torch_save(str(directory), str(target))
+    nested = torch.load(target, weights_only=False)
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = value
+
+    walk(nested, "")
+    return flat

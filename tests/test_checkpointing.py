@@ -29,6 +29,7 @@ from tests.checkpoint_toys import (
     DIM,
     assert_bitwise_equal,
     assert_loads_fail,
+    assert_resharded,
     build,
     full_snapshot,
     load_train,
@@ -38,8 +39,6 @@ from tests.checkpoint_toys import (
 from tests.muon_reference import MUON_KWARGS
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
-
-RESHARD_TOLERANCE = 1e-6
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,10 +141,6 @@ def _load_and_snapshot(rank, world_size, strategy, path, moe=False) -> dict:
     }
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 @pytest.fixture(scope="module")
 def dp2_checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("reshard") / "ckpt")
@@ -158,33 +153,12 @@ def test_dp2_checkpoint_chunks_are_the_true_row_layouts(dp2_checkpoint):
     _assert_each_rank_wrote_exactly_its_rows(path, reference["saved"]["layouts"], 2)
 
 
-def _assert_resharded(reference: dict, results: list[dict]) -> None:
-    for result in results:
-        assert not result["rng_restored"]
-        loaded, saved = result["loaded"], reference["saved"]
-        # Params, Muon momentum, AdamW moments and step: exactly the saved values, on every row.
-        for name, tensor in saved["params"].items():
-            assert torch.equal(loaded["params"][name], tensor), name
-        for name, state in saved["state"].items():
-            assert set(loaded["state"][name]) == set(state), name
-            for key, tensor in state.items():
-                assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
-        # The next step equals the never-resharded run's (grad reduction order differs).
-        for name, tensor in reference["next"]["params"].items():
-            assert _relative(result["next"]["params"][name], tensor) <= RESHARD_TOLERANCE, name
-        for name, state in reference["next"]["state"].items():
-            for key, tensor in state.items():
-                if tensor.ndim:
-                    error = _relative(result["next"]["state"][name][key], tensor)
-                    assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"
-
-
 @pytest.mark.parametrize("world_size,strategy", [(1, "no_shard"), (3, "optim_grads_params")])
 def test_dp2_checkpoint_reshards_onto_another_dp_size_and_strategy(
     dp2_checkpoint, world_size, strategy
 ):
     path, reference = dp2_checkpoint
-    _assert_resharded(reference, run_on_ranks(_load_and_snapshot, world_size, strategy, path))
+    assert_resharded(reference, run_on_ranks(_load_and_snapshot, world_size, strategy, path))
 
 
 @pytest.mark.parametrize("outer", ["optim"])
@@ -211,7 +185,7 @@ def test_expert_momentum_survives_save_and_load_at_another_dp_size(tmp_path):
     layouts = reference["saved"]["layouts"]
     assert layouts["experts_fc1"] != ((0, 5), (0, 5)), "experts should be sharded"
     results = run_on_ranks(_load_and_snapshot, 3, "optim_grads", path, moe=True)
-    _assert_resharded(reference, results)
+    assert_resharded(reference, results)
 
 
 # Plain DTensors in a plain module: no megatron_fsdp_slice, chunks from megatron_fsdp's gather.

@@ -16,13 +16,13 @@ import torch
 
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
+from tests.factory_gpt_runs import assert_matches_reference, by_run, train_runs
 from tests.gpt_parity import Run
 
 # Params: within gpt_parity.FLOOR_FACTOR of the reduction-order floor measured in the same launch
 # (the MoE router's own floor is the largest: Newton-Schulz amplifies its small singular values).
 # The toy without parallel state: fp32 "highest", 2-rank reduction order of one MSE step.
 TOLERANCE = 1e-5
-NUM_STEPS = 5
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # One loop flavour per strategy, so that every flavour meets a sharded and an unsharded strategy:
 # Megatron-LM's (the loop calls finish_grad_sync; grads_already_synced=True) and gradient
@@ -41,51 +41,27 @@ FULLY_SHARD_RUNS = [
 ]
 
 
-def _train_runs(rank: int, world_size: int, runs: list, moe: bool = False) -> list:
-    gpt_parity.init_megatron()
-    return [gpt_parity.train(run, rank, world_size, NUM_STEPS, moe) for run in runs]
-
-
-def _by_run(results: list[list[dict]], runs: list[Run]) -> dict[Run, list[dict]]:
-    """run -> its per-rank results."""
-    return {run: [rank_results[i] for rank_results in results] for i, run in enumerate(runs)}
-
-
 @pytest.fixture(scope="module")
 def mcore_results() -> dict[Run, list[dict]]:
-    return _by_run(run_on_ranks(_train_runs, 2, MCORE_RUNS, timeout=600), MCORE_RUNS)
+    return by_run(run_on_ranks(train_runs, 2, MCORE_RUNS, timeout=600), MCORE_RUNS)
 
 
 @pytest.fixture(scope="module")
 def fully_shard_results() -> dict[Run, list[dict]]:
-    return _by_run(run_on_ranks(_train_runs, 2, FULLY_SHARD_RUNS, timeout=600), FULLY_SHARD_RUNS)
+    return by_run(run_on_ranks(train_runs, 2, FULLY_SHARD_RUNS, timeout=600), FULLY_SHARD_RUNS)
 
 
 @pytest.fixture(scope="module")
 def moe_results() -> dict[Run, list[dict]]:
     runs = [Run("mcore", "optim_grads_params")]
-    return _by_run(run_on_ranks(_train_runs, 2, runs, True, timeout=600), runs)
-
-
-def _assert_matches_reference(per_rank: list[dict]) -> float:
-    errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
-    worst = max(errors, key=errors.get)
-    print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
-    for result in per_rank:
-        for step, stats in enumerate(result["stats"]):
-            # The grad norm is global over FSDP shards (stock ChainedOptimizer: local shards only).
-            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
-            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
-            # Only key-bias grads (mathematically zero, ~1e-12 in fp32: 2 x 64) may differ.
-            assert abs(stats["num_zeros"] - stats["reference_num_zeros"]) <= 128, step
-    return errors[worst]
+    return by_run(run_on_ranks(train_runs, 2, runs, True, timeout=600), runs)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_mcore_fully_sharded_data_parallel_gpt_matches_unsharded_reference(mcore_results, strategy):
     run = next(r for r in MCORE_RUNS if r.strategy == strategy)
-    _assert_matches_reference(mcore_results[run])
+    assert_matches_reference(mcore_results[run])
 
 
 @pytest.mark.multirank
@@ -94,13 +70,13 @@ def test_megatron_fsdp_fully_shard_model_gpt_matches_unsharded_reference(
     fully_shard_results, strategy
 ):
     run = next(r for r in FULLY_SHARD_RUNS if r.strategy == strategy)
-    _assert_matches_reference(fully_shard_results[run])
+    assert_matches_reference(fully_shard_results[run])
 
 
 @pytest.mark.multirank
 def test_moe_gpt_routes_experts_to_the_expert_muon_and_matches_reference(moe_results):
     (per_rank,) = moe_results.values()
-    _assert_matches_reference(per_rank)
+    assert_matches_reference(per_rank)
     routing = {
         name: (optimizer, is_expert) for name, optimizer, is_expert in per_rank[0]["routing"]
     }
@@ -176,7 +152,8 @@ def test_unknown_optimizer_name_is_refused_with_the_known_names():
     from megatron_muon import build_muon_optimizer
 
     with pytest.raises(
-        ValueError, match=r"builds optimizer\(s\) \['lion', 'muon'\].*optimizer='soap'"
+        ValueError,
+        match=r"builds optimizer\(s\) \['adaptive_muon', 'lion', 'muon'\].*optimizer='soap'",
     ):
         build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
 
@@ -302,7 +279,7 @@ def _train_hsdp(rank: int, world_size: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def hsdp_results() -> dict[Run, list[dict]]:
-    return _by_run(run_on_ranks(_train_hsdp, 4, timeout=600), HSDP_RUNS)
+    return by_run(run_on_ranks(_train_hsdp, 4, timeout=600), HSDP_RUNS)
 
 
 @pytest.mark.multirank

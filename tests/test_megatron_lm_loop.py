@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
+from tests.megatron_lm_logs import (
+    assert_loss_falls,
+    assert_same_losses,
+    load_fsdp_dtensor_checkpoint,
+)
 from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -222,26 +226,6 @@ def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
     assert_same_losses(run.series("grad norm"), muon_dp1.series("grad norm"))
 
 
-def _load_checkpoint(directory: Path) -> dict[str, Any]:
-    """A ``fsdp_dtensor`` checkpoint as flat {dotted key: full tensor or object} (one process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = directory.parent / f"{directory.parent.name}_{directory.name}.pt"
-    dcp_to_torch_save(str(directory), str(target))
-    nested = torch.load(target, weights_only=False)
-    flat: dict[str, Any] = {}
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{prefix}.{key}" if prefix else str(key))
-        else:
-            flat[prefix] = value
-
-    walk(nested, "")
-    return flat
-
-
 @pytest.mark.multirank
 def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: Path) -> None:
     uninterrupted = muon_dp2("optim_grads_params", checkpoint_root)
@@ -285,8 +269,8 @@ def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: P
         )
 
     final = f"iter_{NUM_ITERS:07d}"
-    expected = _load_checkpoint(checkpoint_root / "uninterrupted" / final)
-    got = _load_checkpoint(checkpoint_root / "resumed" / final)
+    expected = load_fsdp_dtensor_checkpoint(checkpoint_root / "uninterrupted" / final)
+    got = load_fsdp_dtensor_checkpoint(checkpoint_root / "resumed" / final)
     tensors = sorted(k for k, v in expected.items() if torch.is_tensor(v))
     assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors
     momentum = [k for k in tensors if k.endswith("momentum_buffer")]

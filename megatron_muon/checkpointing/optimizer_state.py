@@ -69,9 +69,17 @@ def _emerging_optimizer_classes() -> tuple[type[Any], type[Any]]:
     return OrthogonalizedOptimizer, Lion
 
 
+def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
+    from emerging_optimizers.orthogonalized_optimizers import AdaptiveMuon
+
+    return isinstance(optimizer, AdaptiveMuon)
+
+
 def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """State keys every param of ``group`` holds once the optimizer has state for it."""
     orthogonalized, lion = _emerging_optimizer_classes()
+    if _is_adaptive_muon(optimizer):  # AdaptiveMuon, megatron-core's, ShardedAdaptiveMuon
+        return ("momentum_buffer", "moment2_buffer")
     if isinstance(optimizer, orthogonalized):  # Muon, TensorParallelMuon, ShardedMuon
         return ("momentum_buffer",)
     if isinstance(optimizer, lion):

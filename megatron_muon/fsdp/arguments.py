@@ -9,7 +9,9 @@ returns it). It adds
   the field's default, its ``Literal`` values as choices (``megatron_muon.common.options``), its
   help; a field with a ``unit`` is a float flag in that unit (MiB for ``bucket_size_bytes``); and
 - Megatron-LM's Muon flags (``--optimizer`` and ``--muon-<field>`` for each ``MuonConfig`` field)
-  with Megatron-LM's names, choices and defaults, **only where the parser lacks them**: on
+  with Megatron-LM's names, choices and defaults, and ``--adaptive-muon-<field>`` for each
+  ``AdaptiveMuonConfig`` field (``OptimizerConfig.adaptive_muon_*``, which Megatron-LM 0.19.2's
+  parser has no flag for), **only where the parser lacks them**: on
   Megatron's own parser (``megatron.training.arguments``) they already exist and are left alone, so
   the same function serves Megatron-LM's loop and a parser of our own.
 
@@ -44,6 +46,7 @@ from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 
 __all__ = [
@@ -143,8 +146,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _add_megatron_muon_flags(
     parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
 ) -> None:
-    """Megatron-LM's Muon flags, where missing: ``--optimizer`` and ``--muon-<field>`` per
-    ``MuonConfig`` field."""
+    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--muon-<field>`` per
+    ``MuonConfig`` field and ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field."""
     if not _has_option(parser, "--optimizer"):
         group.add_argument(
             "--optimizer", type=str, default="adam", choices=get_args(MegatronOptimizerT)
@@ -152,6 +155,8 @@ def _add_megatron_muon_flags(
     add_optimizer_config_flags(
         parser, group, MuonConfig, "muon", defaults=_MEGATRON_DEFAULTS, choices=_MEGATRON_CHOICES
     )
+    # megatron-core's OptimizerConfig has adaptive_muon_*, Megatron-LM's parser no flag for them.
+    add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
 
 
 def add_optimizer_config_flags(
@@ -169,7 +174,8 @@ def add_optimizer_config_flags(
     One flag per field: ``--<prefix>-<field>`` (dest ``<prefix>_<field>``, the name
     ``OptimizerConfig`` and ``from_optimizer_config`` read), the field's default (or
     ``defaults[field]``), its ``Literal`` values as choices (or ``choices[field]``); a bool
-    defaulting to True is ``--<prefix>-no-<field>`` (``store_false``), as Megatron spells them.
+    defaulting to True is ``--<prefix>-no-<field>`` (``store_false``), as Megatron spells them;
+    the help is the field's ``metadata["help"]`` where it has one.
     """
     hints = get_type_hints(config)
     base = config()
@@ -188,7 +194,7 @@ def add_optimizer_config_flags(
             kind = str if allowed else hints[name]
             kwargs = dict(type=kind, default=default, choices=allowed)
         if not _has_option(parser, option):
-            group.add_argument(option, **kwargs)
+            group.add_argument(option, help=field.metadata.get("help"), **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------

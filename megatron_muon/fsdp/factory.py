@@ -63,6 +63,7 @@ from megatron_muon.fsdp.routing import (
     route_params,
 )
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.sharded_muon import ShardedMuon
 from megatron_muon.sharded.tensor_parallel import check_param_meshes
@@ -76,7 +77,11 @@ CkptFormatT = Literal["fsdp_dtensor"]
 # None for an elementwise one: megatron-core's own class (its standard path, the one
 # ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
 # element: decoupled decay, the sign of an interpolation of momentum and grad).
-_MATRIX_OPTIMIZERS: dict[str, type | None] = {"muon": ShardedMuon, "lion": None}
+_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | None] = {
+    "muon": ShardedMuon,
+    "adaptive_muon": ShardedAdaptiveMuon,
+    "lion": None,
+}
 assert set(_MATRIX_OPTIMIZERS) == set(get_args(FsdpOptimizerT)), "a builder per FsdpOptimizerT"
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
 _SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
@@ -259,7 +264,7 @@ def _sub_optimizers(
     if muon_config is None:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
-        groups = by_target.get(("muon", is_expert))
+        groups = by_target.get((routing.matrix_optimizer, is_expert))
         if groups and muon_config is not None:
             muon, line = _muon_optimizer(
                 config,
@@ -307,6 +312,10 @@ def _muon_optimizer(
     check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
     optimizer_class = _MATRIX_OPTIMIZERS[config.optimizer]
     assert optimizer_class is not None, "Muon params only in a Muon run (_sub_optimizers)"
+    # The matrix optimizer's own settings beyond Muon's, from ``OptimizerConfig``.
+    extra: dict[str, Any] = {}
+    if optimizer_class is ShardedAdaptiveMuon:
+        extra["adaptive"] = AdaptiveMuonConfig.from_optimizer_config(config)
     muon = optimizer_class(
         groups,
         lr=config.lr,
@@ -317,10 +326,14 @@ def _muon_optimizer(
         pg_collection=pg_collection,
         is_qkv_fn=is_qkv,
         qkv_split_shapes=qkv_split_shapes,
+        **extra,
     )
     kind = "expert" if is_expert else "dense"
+    name = "Muon"
+    if isinstance(muon, ShardedAdaptiveMuon):
+        name = f"AdaptiveMuon({muon.moment2_method})"
     line = (
-        f"megatron-muon Muon[{kind}]: {_count(groups)} over "
+        f"megatron-muon {name}[{kind}]: {_count(groups)} over "
         f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line

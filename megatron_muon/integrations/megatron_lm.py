@@ -1,15 +1,17 @@
-"""``--optimizer muon|lion --use-megatron-fsdp`` in Megatron-LM's own training loop: ``install()``.
+"""``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp`` in Megatron-LM's own training
+loop: ``install()``.
 
 Megatron-LM's ``pretrain_gpt.py`` trains through ``megatron.training.pretrain``, which ships inside
 the megatron-core wheel. Put ``install()`` at the top of that script (before it parses arguments)
-and ``--optimizer muon`` (or ``lion``: ``common.options.FsdpOptimizerT``) works together with
-``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every ``--data-parallel-sharding-strategy``
-and HSDP (``--num-distributed-optimizer-instances``). ``--optimizer soap`` / ``adaptive_muon`` with
-Megatron-FSDP are refused by name (``megatron_lm_arguments.NOT_YET_ON_MEGATRON_FSDP``).
+and ``--optimizer muon`` (or ``adaptive_muon``, ``lion``: ``common.options.FsdpOptimizerT``) works
+together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every
+``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
+``--optimizer soap`` with Megatron-FSDP is refused by name
+(``megatron_lm_arguments.NOT_YET_ON_MEGATRON_FSDP``).
 
 What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 9 in ``checkpoint_integrity``, 10 in
-``restart_store``; plus the packaging fix 5 and the megatron-core fixes 6, 7 and 8):
+``restart_store``; plus the packaging fix 5 and the megatron-core fixes 6, 7, 8 and 11):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -19,10 +21,10 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    Megatron-FSDP twice (``assert args.optimizer in ('sgd', 'adam')`` in the Megatron-FSDP block;
    ``assert not args.use_megatron_fsdp`` in the emerging-optimizer block, which also allows only the
    torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
-   ``args.optimizer`` is "muon" or "lion" and ``args.use_megatron_fsdp``, the original runs with the
-   optimizer reported as "adam" and the name is restored before the arguments are printed and
-   returned (``--fp16`` is refused there, as the factory does). In 0.19.2 ``validate_args``
-   reads ``args.optimizer`` only at those two places, so
+   ``args.optimizer`` is "muon", "adaptive_muon" or "lion" and ``args.use_megatron_fsdp``, the
+   original runs with the optimizer reported as "adam" and the name is restored before the
+   arguments are printed and returned (``--fp16`` is refused there, as the factory does). In
+   0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two places, so
    every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
@@ -34,12 +36,12 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    Megatron-FSDP never reduces gradients across the HSDP replicas.
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
-   left alone): exactly when ``config.optimizer`` is "muon" or "lion" and a model chunk is wrapped
-   by Megatron-FSDP, it returns megatron-muon's optimizer (``megatron_muon.build_muon_optimizer``:
-   exact Muon on FSDP shards behind a step wrapper that installs the weights and re-syncs params;
-   inside this loop gradients were already reduced by ``finalize_model_grads``, so the wrapper is
-   told ``grads_already_synced=True``; ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``,
-   ``--qk-clip`` as ``QKClipConfig``).
+   left alone): exactly when ``config.optimizer`` is "muon", "adaptive_muon" or "lion" and a model
+   chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
+   (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
+   installs the weights and re-syncs params; inside this loop gradients were already reduced by
+   ``finalize_model_grads``, so the wrapper is told ``grads_already_synced=True``;
+   ``--muon-fsdp-mode`` etc. arrive as ``MuonFsdpConfig``, ``--qk-clip`` as ``QKClipConfig``).
    Its state goes into Megatron's ``fsdp_dtensor`` checkpoints by parameter name
    (``ckpt_format="fsdp_dtensor"``: ``checkpointed_optimizer.MegatronCheckpointedOptimizer``).
    Stock megatron-core 0.19.2 would build a ``TensorParallelMuon`` that trains nothing under
@@ -76,6 +78,12 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    each attempt's process group on a store prefix of its own (``restart_store``: without it the
    restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
    stop in process-group setup). Any optimizer.
+11. ``--optimizer adaptive_muon``: with Megatron-FSDP, items 1-3 treat it as Muon (the factory
+    builds ``ShardedAdaptiveMuon``; ``--adaptive-muon-moment2-method``,
+    ``--adaptive-muon-beta2`` and ``--adaptive-muon-eps`` are added, which Megatron's parser
+    lacks); without it, megatron-core's ``TensorParallelAdaptiveMuon``, which crashes at its
+    first step and would scale twice, is replaced in megatron-core's registry by a fixed subclass
+    (``adaptive_muon_fix``).
 
 Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
 the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
@@ -108,6 +116,7 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     megatron_args,
 )
 from megatron_muon.integrations import (
+    adaptive_muon_fix,
     checkpoint_integrity,
     local_core_attention,
     mla_tensor_parallel,
@@ -186,6 +195,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     mla_tensor_parallel.install()
     restart_store.patch()
     stock_lion.patch()
+    adaptive_muon_fix.install()
     _INSTALLED = True
 
 

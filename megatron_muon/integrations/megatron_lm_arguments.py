@@ -1,4 +1,5 @@
-"""Megatron-LM's arguments for ``--optimizer muon|lion --use-megatron-fsdp``: two patched functions.
+"""Megatron-LM's arguments for ``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp``: two
+patched functions.
 
 ``megatron_muon.integrations.megatron_lm.install()`` applies both, under its megatron-core version
 check (``SUPPORTED_MEGATRON_CORE``); what each does and why is in that module's docstring (items 1
@@ -7,12 +8,14 @@ and 2) and in each function's below.
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
   works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
-- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon or Lion (``FsdpOptimizerT``) with
-  Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16``
-  is refused, ``--qk-clip`` is taken over, HSDP turns ``--overlap-grad-reduce`` on and (Muon) the
-  Muon flags' values are checked; ``--async-save`` is refused. The emerging optimizers not run on
-  Megatron-FSDP yet (``NOT_YET_ON_MEGATRON_FSDP``) are refused by name; Muon without
-  Megatron-FSDP (stock ``TensorParallelMuon``) is refused ``layer_sharded``.
+- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon, adaptive Muon or Lion
+  (``FsdpOptimizerT``) with Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's
+  ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is taken over, HSDP turns
+  ``--overlap-grad-reduce`` on and (Muon, adaptive Muon) the Muon flags' values are checked (and
+  the ``--adaptive-muon-*`` ones); ``--async-save`` is refused. The emerging optimizers not run on
+  Megatron-FSDP yet (``NOT_YET_ON_MEGATRON_FSDP``) are refused by name; Muon or adaptive Muon
+  without Megatron-FSDP (stock ``TensorParallelMuon`` and its subclass) is refused
+  ``layer_sharded``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
+from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 
 __all__ = [
     "escape_bare_percent_in_help",
@@ -109,14 +113,13 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 # name at validate_args (stock megatron-core refuses every emerging optimizer there, unnamed).
 NOT_YET_ON_MEGATRON_FSDP: dict[str, str] = {
     "soap": "SOAP keeps whole-matrix Kronecker factors and eigenbases per matrix",
-    # adaptive_muon: added by its own change (AdaMuon / NorMuon / NAMO on row shards).
-    "adaptive_muon": "its second moment is not built on row shards yet",
 }
 
 
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
     """True for the combinations this integration takes over: an optimizer megatron-muon builds
-    for Megatron-FSDP (``FsdpOptimizerT``: muon, lion) with ``--use-megatron-fsdp``."""
+    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion) with
+    ``--use-megatron-fsdp``."""
     return getattr(args, "optimizer", None) in get_args(FsdpOptimizerT) and bool(
         getattr(args, "use_megatron_fsdp", False)
     )
@@ -138,8 +141,10 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             )
         _take_over_qk_clip(args)
         _reduce_grads_across_hsdp_replicas(args)
-        if name == "muon":
+        if name in ("muon", "adaptive_muon"):
             check_muon_args(args)  # a bad value stops here, naming its flag
+        if name == "adaptive_muon":
+            AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
         print_args = arguments._print_args
 
         def print_with_name(title: str, printed: argparse.Namespace) -> None:
@@ -188,9 +193,9 @@ def _refuse_async_save(args: argparse.Namespace) -> None:
 def _refuse_our_tp_modes_for_stock_muon(args: argparse.Namespace) -> None:
     """A ``--muon-tp-mode`` megatron-core's ``TensorParallelMuon`` does not know (widened into
     the choices by ``extra_args_provider``) is refused where stock Muon would get it: Muon
-    without ``--use-megatron-fsdp``."""
+    without ``--use-megatron-fsdp`` (adaptive Muon's stock class is a ``TensorParallelMuon``)."""
     mode = getattr(args, "muon_tp_mode", None)
-    if getattr(args, "optimizer", None) == "muon" and mode in _OUR_TP_MODES:
+    if getattr(args, "optimizer", None) in ("muon", "adaptive_muon") and mode in _OUR_TP_MODES:
         raise ValueError(
             f"--muon-tp-mode {mode} runs in megatron-muon's ShardedMuon, with "
             "--use-megatron-fsdp; megatron-core's TensorParallelMuon (Muon without it) knows "

@@ -73,11 +73,15 @@ class NSRunner:
         stats: the step's figures; NS FLOPs are added to it.
         tensor_parallel: NS (with scale) of a whole ``stock_ns`` matrix, through
             ``TensorParallelMuon``'s NS; counts its own FLOPs.
+        finish: the optimizer's per-matrix function after NS, on the rank that orthogonalized
+            the whole matrix (``(rows, cols)`` fp32 in and out); None: NS's result is the update
+            (Muon). Not applied to split blocks or expert tensors.
     """
 
     config: NSConfig
     stats: StepStats
     tensor_parallel: Callable[[NSMatrix, torch.Tensor], torch.Tensor]
+    finish: Callable[[NSMatrix, torch.Tensor], torch.Tensor] | None = None
 
     def whole(
         self, matrices: Sequence[MatrixPlan], tensors: list[torch.Tensor | None]
@@ -103,7 +107,7 @@ class NSRunner:
             if plan.matrix.stock_ns:
                 with torch.profiler.record_function(NS_SCOPE):
                     result = self.tensor_parallel(plan.matrix, _take(tensors, i))
-                yield i, result
+                yield i, self._finish(plan.matrix, result)
             elif plan.matrix.qkv_split_shapes:
                 jobs[i] = split_qkv(_take(tensors, i), plan.matrix.qkv_split_shapes)
             else:
@@ -119,7 +123,11 @@ class NSRunner:
             ]
             pieces.clear()
             shapes = matrices[i].matrix.qkv_split_shapes
-            yield i, join_qkv(outputs, shapes) if len(outputs) > 1 else outputs[0]
+            result = join_qkv(outputs, shapes) if len(outputs) > 1 else outputs[0]
+            yield i, self._finish(matrices[i].matrix, result)
+
+    def _finish(self, matrix: NSMatrix, result: torch.Tensor) -> torch.Tensor:
+        return result if self.finish is None else self.finish(matrix, result)
 
     def split_block(
         self, plan: MatrixPlan, block: torch.Tensor, group: dist.ProcessGroup, part: int

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import fields
 from typing import Any
 
@@ -226,9 +227,11 @@ class ShardedMuon(TensorParallelMuon):
             self.ns_config,
             self.step_stats,
             lambda matrix, full: self._tp_orthogonalize(plan.params[matrix.param], matrix, full),
+            lambda m, full: self._finish_matrix(plan.params[m.param], groups[m.param], full),
         )
         experts = [i for i in plan.experts if i in inputs]
-        with eo_utils.fp32_matmul_precision(self.fp32_matmul_prec):
+        precision = eo_utils.fp32_matmul_precision(self.fp32_matmul_prec)
+        with precision, self._around_orthogonalization(plan, active):
             # Whole experts per rank: NS of the local experts, no communication.
             updates = runner.experts([inputs[i].float() for i in experts])
             for i, update in zip(experts, updates, strict=True):
@@ -255,6 +258,16 @@ class ShardedMuon(TensorParallelMuon):
         if self.nesterov:
             return grad.lerp(buffer, group["momentum"])
         return buffer
+
+    def _finish_matrix(self, param: torch.Tensor, group: dict, full: torch.Tensor) -> torch.Tensor:
+        # Hook: after NS, on the rank holding the whole fp32 matrix; Muon's update is NS's result.
+        return full
+
+    def _around_orthogonalization(
+        self, plan: OptimizerPlan, active: list[bool]
+    ) -> AbstractContextManager:
+        # Hook: a subclass's collectives over dp_group before and after NS (Muon: none).
+        return nullcontext()
 
     def _apply_update(self, param: torch.Tensor, group: dict, update: torch.Tensor) -> None:
         """``param -= lr * update`` on this rank's rows (``update``: those rows, fp32)."""

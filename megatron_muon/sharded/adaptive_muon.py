@@ -1,0 +1,302 @@
+"""ShardedAdaptiveMuon: emerging-optimizers' ``AdaptiveMuon`` exact on Megatron-FSDP's row shards.
+
+``AdaptiveMuon`` (``--optimizer adaptive_muon``) is Muon with a second moment applied to the raw
+Newton-Schulz output, before Muon's scale: per matrix, ``update = scale * moment2_fn(NS(m))``.
+``ShardedAdaptiveMuon`` runs ``ShardedMuon``'s step (momentum on each rank's rows, NS of each full
+matrix on its owner, the update applied to each rank's rows) and adds the second moment where its
+method lets it live, calling ``AdaptiveMuon``'s own ``_apply_moment2_normalization`` and
+``_apply_muon_scale`` (inherited, not copied):
+
+- ``"adamuon"``: elementwise; its state is a DTensor like the param (``AdaptiveMuon._init_group``
+  on a DTensor param), applied to each rank's rows of the raw NS result, no communication.
+- ``"normuon"``: a mean along the longer side, then the raw result's Frobenius norm restored: it
+  needs the whole matrix, so it runs on the owner, on the full matrix, inside the owner pipeline
+  (``ShardedMuon._finish_matrix``). Its state (``(rows, 1)`` or ``(1, cols)``, plain tensors of the
+  global shape, replicated) is updated there, then sent from the owners to every rank in one
+  all_reduce per step (owners add their new values, the others zeros: exact).
+- ``"namo"``: a scalar from the Frobenius norms of the raw gradient and of the NS input. Each
+  rank's sums of squares are summed over ``dp_group`` in one all_reduce per step, before NS; every
+  rank then updates its replicated ``(1,)`` state identically and scales its rows. The function is
+  ``AdaptiveMuon``'s, given one-element tensors holding the global norms (the norm of a
+  one-element tensor is its absolute value).
+
+``AdaptiveMuon``'s functions are eager (emerging-optimizers 0.3.0 compiles Lion's and Adam's
+update functions, not these) and get plain tensors: local rows (``local_tensor``), the owner's
+full matrix, or the replicated state; never a DTensor whose global shape differs from its rows.
+
+Refused at build time (``ValueError`` naming the setting): tensor parallelism (size > 1 under any
+``tp_mode``: the reference is ``AdaptiveMuon`` on the full matrix; megatron-core's
+``TensorParallelAdaptiveMuon`` normalizes each TP block on its own), params that are not 2-D (as
+``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and a ``min_split_flops``
+other than the default (NS is never split over ranks here: the second moment needs the whole
+matrix on one rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
+from torch.optim.optimizer import ParamsT
+
+from megatron_muon.common.options import check_choice
+from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.layout import local_tensor
+from megatron_muon.sharded.optimizer_plan import OptimizerPlan
+from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
+from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.tensor_parallel import tp_group
+
+__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon"]
+
+# No matrix's NS is split over ranks: the second moment needs each whole matrix on one rank.
+_NEVER_SPLIT = 2**62
+
+
+def _help(text: str) -> dict[str, str]:
+    """A field's flag help (``fsdp.arguments.add_optimizer_config_flags`` reads it)."""
+    return {"help": f"--optimizer adaptive_muon: {text}."}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdaptiveMuonConfig:
+    """Megatron's adaptive-Muon settings (``OptimizerConfig.adaptive_muon_*``), same names without
+    the prefix, defaults megatron-core 0.19.2's (= ``AdaptiveMuon``'s).
+
+    Attributes:
+        moment2_method: ``"adamuon"`` (elementwise), ``"normuon"`` (per row or per column) or
+            ``"namo"`` (a Frobenius-norm ratio); emerging-optimizers' ``Moment2MethodT``.
+        beta2: decay of the second moment's running average, in [0, 1).
+        eps: added to the second moment's root (adamuon, namo) or its floor (normuon), >= 0.
+    """
+
+    moment2_method: Moment2MethodT = field(
+        default="adamuon",
+        metadata=_help(
+            "the second moment applied to the raw Newton-Schulz result: 'adamuon' elementwise, "
+            "'normuon' per row or column, 'namo' a Frobenius-norm ratio"
+        ),
+    )
+    beta2: float = field(
+        default=0.95, metadata=_help("decay of the second moment's running average, in [0, 1)")
+    )
+    eps: float = field(default=1e-8, metadata=_help("the second moment's epsilon, >= 0"))
+
+    def __post_init__(self) -> None:
+        check_choice("moment2_method", self.moment2_method, Moment2MethodT)
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
+        if not self.eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {self.eps}")
+
+    @classmethod
+    def from_optimizer_config(cls, config: Any) -> AdaptiveMuonConfig:
+        """Reads ``config.adaptive_muon_<field>`` (``OptimizerConfig`` or Megatron's parsed args).
+
+        Raises:
+            ValueError: naming the ``adaptive_muon_`` field read.
+        """
+        values = {f.name: getattr(config, f"adaptive_muon_{f.name}") for f in fields(cls)}
+        try:
+            return cls(**values)
+        except ValueError as error:  # every message starts with the field's name
+            raise ValueError(f"adaptive_muon_{error}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class _UnscaledNSConfig(NSConfig):
+    """``NSConfig`` whose NS results are not scaled (``AdaptiveMuon`` scales after moment2)."""
+
+    def shape_scale(self, rows: int, cols: int) -> float:
+        return 1.0
+
+
+class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
+    """``AdaptiveMuon`` on data-parallel row-sharded params (module docstring).
+
+    Args:
+        params: as ``ShardedMuon``'s, 2-D only.
+        lr, weight_decay, muon, fsdp: ``ShardedMuon``'s; ``fsdp.min_split_flops`` must be left
+            at its default (NS is never split here).
+        adaptive: the second moment's method, beta2 and eps (default ``AdaptiveMuonConfig()``).
+        **kwargs: ``ShardedMuon``'s other keywords (``dp_group``, ``pg_collection``, ...).
+
+    State per param on every rank: ``momentum_buffer`` (like the param) and ``moment2_buffer``
+    (``AdaptiveMuon._init_group``'s: like the param for adamuon; a plain replicated tensor of the
+    global ``(rows, 1)`` / ``(1, cols)`` shape for normuon, ``(1,)`` for namo).
+
+    Raises:
+        ValueError: a setting this class cannot run exactly (module docstring), or one that
+            ``ShardedMuon`` or ``AdaptiveMuonConfig`` refuses.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        weight_decay: float = 0.01,
+        *,
+        adaptive: AdaptiveMuonConfig | None = None,
+        muon: MuonConfig | None = None,
+        fsdp: MuonFsdpConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        adaptive = adaptive or AdaptiveMuonConfig()
+        fsdp = fsdp if fsdp is not None else MuonFsdpConfig()
+        if fsdp.min_split_flops not in (MIN_SPLIT_FLOPS, _NEVER_SPLIT):
+            raise ValueError(
+                "ShardedAdaptiveMuon never splits a matrix's NS over ranks (its second moment "
+                f"needs the whole matrix on one rank): min_split_flops={fsdp.min_split_flops} "
+                "does not apply"
+            )
+        if adaptive.moment2_method == "namo" and not kwargs.get("use_decoupled_weight_decay", True):
+            raise ValueError('moment2_method="namo" needs decoupled weight decay (as AdaptiveMuon)')
+        # Read by AdaptiveMuon._init_group, which ShardedMuon's constructor runs.
+        self.moment2_method = adaptive.moment2_method
+        fsdp = replace(fsdp, min_split_flops=_NEVER_SPLIT)
+        super().__init__(params, lr, weight_decay, muon=muon, fsdp=fsdp, **kwargs)
+        self._check_no_tensor_parallelism()
+        # Muon's scale is applied once, after the second moment (AdaptiveMuon._apply_muon_scale).
+        self.scale_mode = self.ns_config.scale_mode
+        self.extra_scale_factor = self.ns_config.extra_scale_factor
+        ns_fields = {f.name: getattr(self.ns_config, f.name) for f in fields(NSConfig)}
+        self.ns_config = _UnscaledNSConfig(**{**ns_fields, "extra_scale_factor": 1.0})
+        self.defaults.update(beta2=adaptive.beta2, eps=adaptive.eps)
+        for group in self.param_groups:
+            group.setdefault("beta2", adaptive.beta2)
+            group.setdefault("eps", adaptive.eps)
+        self._namo: dict[torch.Tensor, tuple[torch.Tensor, dict]] = {}
+        self._namo_scales: dict[torch.Tensor, torch.Tensor] = {}
+
+    def _check_no_tensor_parallelism(self) -> None:
+        for param in self._all_params():
+            group = tp_group(param, self.pg_collection)
+            size = dist.get_world_size(group) if group is not None else 1
+            if size > 1:
+                raise ValueError(
+                    f"ShardedAdaptiveMuon runs at tensor-parallel size 1 only, got size {size} "
+                    f"(tp_mode={self.tp_mode!r}): its reference is AdaptiveMuon on the full "
+                    "matrix, and the second moment of a TP-split matrix is not computed exactly "
+                    "on its blocks"
+                )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``ShardedMuon.add_param_group``, refusing params that are not 2-D (``AdaptiveMuon``'s
+        rule)."""
+        super().add_param_group(param_group)
+        for param in self.param_groups[-1]["params"]:
+            if param.ndim != 2:
+                self.param_groups.pop()
+                raise ValueError(
+                    f"ShardedAdaptiveMuon: param of shape {tuple(param.shape)} is not a matrix; "
+                    "AdaptiveMuon takes 2-D params only"
+                )
+
+    # ---------------------------------------------------------------------------------------------
+    # the hooks of ShardedMuon's step
+    # ---------------------------------------------------------------------------------------------
+
+    def _momentum_update(self, param: torch.Tensor, group: dict) -> torch.Tensor:
+        """``ShardedMuon``'s; for namo also this rank's sums of squares of the raw gradient and of
+        the NS input rows (summed over ``dp_group`` before NS)."""
+        update = super()._momentum_update(param, group)
+        if self.moment2_method == "namo":
+            raw = local_tensor(param.grad) if param.grad is not None else update.new_zeros(())
+            sums = torch.stack([raw.float().square().sum(), update.float().square().sum()])
+            self._namo[param] = (sums, group)
+        return update
+
+    @contextmanager
+    def _around_orthogonalization(self, plan: OptimizerPlan, active: list[bool]) -> Iterator[None]:
+        """namo: the global norms and each matrix's scalar before NS; normuon: the owners' new
+        second moments to every rank after it. Collective over ``dp_group``."""
+        if self.moment2_method == "namo":
+            self._namo_scales = self._namo_scalars(plan, active)
+        yield
+        if self.moment2_method == "normuon":
+            self._share_owners_moment2(plan, active)
+
+    def _finish_matrix(self, param: torch.Tensor, group: dict, full: torch.Tensor) -> torch.Tensor:
+        """normuon on the full raw NS result (owner): second moment, norm matched, Muon's scale."""
+        if self.moment2_method != "normuon":
+            return full
+        moment2 = self.state[param]["moment2_buffer"]
+        update = self._apply_moment2_normalization(full, moment2, group["beta2"], group["eps"])
+        return self._apply_muon_scale(update, full.shape[-2], full.shape[-1])
+
+    def _apply_update(self, param: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+        """adamuon / namo on this rank's rows of the raw NS result, Muon's scale, the update."""
+        if self.moment2_method == "adamuon":
+            moment2 = local_tensor(self.state[param]["moment2_buffer"])
+            update = update.view_as(moment2)
+            update = self._apply_moment2_normalization(
+                update, moment2, group["beta2"], group["eps"]
+            )
+        elif self.moment2_method == "namo":
+            update = update * self._namo_scales.pop(param)
+        if self.moment2_method != "normuon":
+            update = self._apply_muon_scale(update, param.shape[-2], param.shape[-1])
+        super()._apply_update(param, group, update)
+
+    # ---------------------------------------------------------------------------------------------
+    # the collectives
+    # ---------------------------------------------------------------------------------------------
+
+    def _namo_scalars(
+        self, plan: OptimizerPlan, active: list[bool]
+    ) -> dict[torch.Tensor, torch.Tensor]:
+        """Each active matrix's namo scalar ``alpha`` (``(1,)``), its second moment updated: one
+        all_reduce of every matrix's two sums of squares over ``dp_group``."""
+        params = [p for i, p in enumerate(plan.params) if active[i]]
+        if not params:
+            return {}
+        entries = [self._namo.pop(p) for p in params]
+        sums = torch.stack([s for s, _ in entries])
+        if plan.runtime.num_ranks > 1:
+            dist.all_reduce(sums, group=self.dp_group)
+            self.step_stats.num_collectives += 1
+        scalars = {}
+        for param, (raw_sq, pre_sq), (_, group) in zip(params, sums, entries, strict=True):
+            moment2 = self.state[param]["moment2_buffer"]
+            one = torch.ones(1, dtype=moment2.dtype, device=moment2.device)
+            scalars[param] = self._apply_moment2_normalization(
+                one,
+                moment2,
+                group["beta2"],
+                group["eps"],
+                raw_grad=raw_sq.sqrt().view(1).to(moment2.dtype),
+                pre_orth_grad=pre_sq.sqrt().view(1).to(moment2.dtype),
+            )
+        return scalars
+
+    def _share_owners_moment2(self, plan: OptimizerPlan, active: list[bool]) -> None:
+        """Every rank's normuon second moments become their owners' (one all_reduce over
+        ``dp_group``: the owner adds its values, every other rank zeros). In gather mode and on
+        one rank every rank computed every matrix: nothing to share."""
+        runtime = plan.runtime
+        if self.fsdp_config.mode != "owner" or runtime.num_ranks == 1:
+            return
+        buffers, owned = [], []
+        for matrix_plan in plan.step_plan.matrices:
+            index = matrix_plan.matrix.param
+            if active[index]:
+                buffers.append(self.state[plan.params[index]]["moment2_buffer"])
+                owned.append(matrix_plan.work[0].rank == runtime.rank)
+        if not buffers:
+            return
+        flat = torch.cat(
+            [
+                b.flatten() if mine else b.new_zeros(b.numel())
+                for b, mine in zip(buffers, owned, strict=True)
+            ]
+        )
+        dist.all_reduce(flat, group=self.dp_group)
+        self.step_stats.num_collectives += 1
+        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            buffer.copy_(values.view_as(buffer))

@@ -1,0 +1,208 @@
+"""``--optimizer adaptive_muon`` in Megatron-LM's own loop, with and without Megatron-FSDP.
+
+In process: megatron-core's ``TensorParallelAdaptiveMuon`` crashes at its first step and its
+fixed subclass (``integrations.adaptive_muon_fix``, which ``install()`` registers) steps as
+emerging-optimizers' ``AdaptiveMuon`` for every second-moment method; ``validate_args`` accepts
+``--optimizer adaptive_muon --use-megatron-fsdp`` and the ``--adaptive-muon-*`` flags.
+
+Launched (normuon, whose second moment is the one that needs collectives: built on each matrix's
+owner, then shared): the reference is the fixed stock class on one rank without Megatron-FSDP;
+ours is ``ShardedAdaptiveMuon`` under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2.
+8 iterations' losses and grad norms agree to the printed digits (``RELATIVE_TOLERANCE``;
+Newton-Schulz in fp32, ``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why).
+The GPT uses rotary position embeddings: stock megatron-core routes a learned position embedding
+to the matrix optimizer (it carries no embedding tag) where ours routes it to AdamW
+(``fsdp.routing``). The run saves at 4 and 8; a run resumed from 4 in fresh processes prints the
+same losses and saves bitwise the same state (second moments included) at 8. Launches: 1 one-rank
+reference, 1 DP=2 run, 1 resume. adamuon and namo are covered on row shards at DP 1-4
+(tests/test_sharded_adaptive_muon.py) and in the factory beside the stock class
+(tests/test_factory_adaptive_muon.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.megatron_lm_logs import (
+    assert_loss_falls,
+    assert_same_losses,
+    load_fsdp_dtensor_checkpoint,
+)
+from tests.muon_reference import full_tensor
+from tests.torchrun import MegatronRun, run_megatron
+
+pytestmark = pytest.mark.timeout(900)
+
+METHODS = ("adamuon", "normuon", "namo")
+NUM_ITERS, SAVE_AT = 8, 4
+STRATEGY = "optim_grads_params"
+FLAGS = [
+    *("--optimizer adaptive_muon --muon-fp32-matmul-prec high --lr 0.02").split(),
+    *("--adaptive-muon-moment2-method normuon --adaptive-muon-beta2 0.9").split(),
+    *("--position-embedding-type rope --train-iters").split(),
+    str(NUM_ITERS),
+]
+
+
+@pytest.fixture(scope="module")
+def stock_normuon() -> MegatronRun:
+    """One rank, no Megatron-FSDP: megatron-core's optimizer (the fixed adaptive-Muon class)."""
+    return run_megatron(FLAGS, nproc=1, megatron_fsdp=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("adaptive_muon_ckpt")
+
+
+@pytest.fixture(scope="module")
+def fsdp_normuon(checkpoint_root: Path) -> MegatronRun:
+    """DP=2 under Megatron-FSDP, saving at 4 and 8."""
+    extra = ["--data-parallel-sharding-strategy", STRATEGY]
+    extra += ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", str(SAVE_AT)]
+    return run_megatron([*FLAGS, *extra], nproc=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# in-process: the stock class's fix, the flags, validate_args
+# --------------------------------------------------------------------------------------------------
+
+
+def _stock_step(optimizer_cls: type, method: str) -> list[torch.Tensor]:
+    params = [torch.nn.Parameter(full_tensor(shape, seed=i)) for i, shape in enumerate(_SHAPES)]
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.05, nesterov=True)
+    kwargs |= dict(fp32_matmul_prec="highest", moment2_method=method, beta2=0.9)
+    optimizer = optimizer_cls(params, **kwargs)
+    for step in range(2):
+        for i, p in enumerate(params):
+            p.grad = full_tensor(p.shape, seed=100 * step + i + 7)
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+_SHAPES = [(24, 8), (8, 24)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_fixed_stock_class_steps_as_adaptive_muon_where_the_stock_one_crashes(method: str) -> None:
+    from emerging_optimizers.orthogonalized_optimizers import AdaptiveMuon
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
+
+    from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
+
+    with pytest.raises(AttributeError, match="scale_mode"):
+        _stock_step(TensorParallelAdaptiveMuon, method)
+    fixed = _stock_step(TensorParallelAdaptiveMuonFixed, method)
+    reference = _stock_step(AdaptiveMuon, method)
+    for mine, expected in zip(fixed, reference, strict=True):
+        assert torch.equal(mine, expected)  # the same functions on the same tensors
+
+
+@pytest.fixture
+def installed(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from megatron.training import arguments
+
+    from megatron_muon.integrations import megatron_lm
+
+    megatron_lm.install(cpu_stand_ins=False)
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 0)
+    return arguments
+
+
+_BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 5 "
+    "--lr 0.01 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--no-gradient-accumulation-fusion --use-megatron-fsdp --ckpt-format fsdp_dtensor "
+    "--optimizer adaptive_muon "
+)
+
+
+def test_validate_args_accepts_adaptive_muon_with_megatron_fsdp_and_its_flags(
+    installed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron.core.optimizer.emerging_optimizers import _EMERGING_OPTIMIZERS
+    from megatron.training.training import get_megatron_optimizer_config
+
+    from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
+
+    flags = _BASE + "--adaptive-muon-moment2-method namo --adaptive-muon-eps 1e-6"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    args = installed.validate_args(installed.parse_args())
+    assert args.optimizer == "adaptive_muon" and args.use_megatron_fsdp
+    config, _ = get_megatron_optimizer_config(args)
+    assert (config.adaptive_muon_moment2_method, config.adaptive_muon_eps) == ("namo", 1e-6)
+    assert config.adaptive_muon_beta2 == 0.95  # megatron-core's default
+    assert _EMERGING_OPTIMIZERS["adaptive_muon"].optimizer_cls is TensorParallelAdaptiveMuonFixed
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *(_BASE + "--adaptive-muon-beta2 1").split()])
+    with pytest.raises(ValueError, match="adaptive_muon_beta2 must be in"):
+        installed.validate_args(installed.parse_args())
+    monkeypatch.setattr(
+        sys, "argv", ["pretrain", *(_BASE + "--adaptive-muon-moment2-method adam").split()]
+    )
+    with pytest.raises(SystemExit):
+        installed.parse_args()
+
+
+# --------------------------------------------------------------------------------------------------
+# torchrun: the real loop
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_adaptive_muon_on_megatron_fsdp_equals_the_stock_optimizer_on_one_rank(
+    stock_normuon: MegatronRun, fsdp_normuon: MegatronRun
+) -> None:
+    reference, run = stock_normuon, fsdp_normuon
+    losses = run.series("lm loss")
+    print(
+        f"\nnormuon DP=2 {STRATEGY}: {losses}\nnormuon stock DP=1: "
+        f"{reference.series('lm loss')} ({run.wall_s:.0f} s, {reference.wall_s:.0f} s)"
+    )
+    assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
+    assert reference.optimizers[0]["class"] == "ChainedOptimizer"  # megatron-core's own
+    for described in run.optimizers.values():
+        assert any("AdaptiveMuon(normuon)[dense]" in line for line in described["summary"])
+    assert_loss_falls(losses)
+    assert_same_losses(losses, reference.series("lm loss"))
+    assert_same_losses(run.series("grad norm"), reference.series("grad norm"))
+
+
+@pytest.mark.multirank
+def test_adaptive_muon_resumes_bitwise_from_fsdp_dtensor_checkpoint(
+    fsdp_normuon: MegatronRun, checkpoint_root: Path
+) -> None:
+    uninterrupted = fsdp_normuon
+    resumed = run_megatron(
+        [
+            *FLAGS,
+            *("--data-parallel-sharding-strategy", STRATEGY),
+            *("--load", str(checkpoint_root / "uninterrupted"), "--ckpt-step", str(SAVE_AT)),
+            "--no-load-rng",  # the CPU RNG stand-in's CUDA state is a dummy
+            *("--save", str(checkpoint_root / "resumed"), "--save-interval", str(SAVE_AT)),
+        ],
+        nproc=2,
+    )
+    assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
+    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
+        expected = uninterrupted.iterations[iteration]
+        assert resumed.iterations[iteration]["grad norm"] == expected["grad norm"]
+        # Megatron's first log line after a start averages two iterations' losses (see
+        # tests/test_megatron_lm_loop.py): iteration SAVE_AT + 2 is not compared.
+        if iteration != SAVE_AT + 2:
+            assert resumed.iterations[iteration]["lm loss"] == expected["lm loss"]
+    final = f"iter_{NUM_ITERS:07d}"
+    expected_state = load_fsdp_dtensor_checkpoint(checkpoint_root / "uninterrupted" / final)
+    got = load_fsdp_dtensor_checkpoint(checkpoint_root / "resumed" / final)
+    tensors = sorted(k for k, v in expected_state.items() if torch.is_tensor(v))
+    assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors
+    moment2 = [k for k in tensors if k.endswith("moment2_buffer")]
+    assert moment2, tensors
+    differing = [k for k in tensors if not torch.equal(got[k], expected_state[k])]
+    assert not differing, f"resumed run differs from the uninterrupted one in {differing}"
