@@ -51,7 +51,7 @@ def test_our_flags_reach_the_fsdp_config():
 def test_each_flag_takes_its_default_and_choices_from_its_config_field():
     from typing import get_args
 
-    from megatron_muon import MuonConfig, MuonFsdpConfig
+    from megatron_muon import MuonFsdpConfig
     from megatron_muon.common.options import FsdpModeT, GramHalfDtypeT
     from megatron_muon.fsdp.arguments import add_muon_args
     from megatron_muon.newton_schulz.methods import NSMethodT
@@ -80,7 +80,7 @@ def test_every_fsdp_config_field_with_flag_metadata_round_trips_through_its_flag
     # nothing gives the field's default, and a non-default value on the command line reaches it.
     from dataclasses import fields
 
-    from megatron_muon import MuonConfig, MuonFsdpConfig
+    from megatron_muon import MuonFsdpConfig
     from megatron_muon.fsdp.arguments import add_muon_args, fsdp_config_from_args
 
     parser = add_muon_args(argparse.ArgumentParser())
