@@ -82,7 +82,7 @@ def _ns_log(rank: int, world_size: int) -> dict:
         rows = [splits_for_rows(side, world_size) for side in sides]
         fulls = [full_tensor((side, side), seed=i) for i, side in enumerate(sides)]
         params = [sharded_param(f, r, rank, mesh) for f, r in zip(fulls, rows, strict=True)]
-        optimizer = ShardedMuon(
+        optimizer = ShardedMuon.from_keywords(
             params, **MUON_KWARGS, bucket_size_bytes=BOUND, min_split_flops=MIN_SPLIT
         )
         for step in range(2):  # the first step builds the plan and the exchanges
