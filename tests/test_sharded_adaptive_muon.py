@@ -15,23 +15,18 @@ import pytest
 import torch
 
 from megatron_muon.testing import run_on_ranks
-from tests.muon_reference import TOLERANCE, full_tensor
+from tests.muon_reference import MUON_KWARGS, TOLERANCE, full_tensor
 from tests.row_split_parity import offsets, set_sharded_grad, sharded_param
 
 METHODS = ("adamuon", "normuon", "namo")
 # Tall (normuon per row), wide (per column), odd sizes.
 SHAPES = [(48, 16), (16, 48), (33, 7)]
-KWARGS = dict(
-    lr=0.02,
-    momentum=0.9,
-    nesterov=True,
-    weight_decay=0.05,
-    fp32_matmul_prec="highest",
-    coefficient_type="quintic",
-    num_ns_steps=5,
-    scale_mode="spectral",
-    extra_scale_factor=1.5,
-)
+# The Muon settings of tests.muon_reference, with a scale factor that is not 1 (AdaptiveMuon applies
+# Muon's scale once, after the second moment); tp_mode is set per test.
+KWARGS = {
+    **{k: v for k, v in MUON_KWARGS.items() if k != "tp_mode"},
+    "extra_scale_factor": 1.5,
+}
 BETA2, EPS = 0.9, 1e-8
 STEPS = 2
 
