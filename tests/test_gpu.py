@@ -137,12 +137,14 @@ def test_pretrain_entry_point_trains_50_iterations_and_resumes_bitwise(tmp_path)
 
 
 @pytest.mark.multirank
-def test_megatron_lm_loop_with_install_trains_muon_on_megatron_fsdp(tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "adaptive_muon"])
+def test_megatron_lm_loop_with_install_trains_on_megatron_fsdp(tmp_path, optimizer):
     """Megatron-LM's loop (``examples/pretrain_gpt_megatron.py``, the one ``install()`` line) with
-    the local transformer (Transformer Engine is not installed here), bf16, NCCL."""
+    the local transformer (Transformer Engine is not installed here), bf16, NCCL: Muon, and
+    adaptive_muon (NorMuon's second moment on the owner's orthogonalized update)."""
     flags = [
         *MODEL_FLAGS,
-        *("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
+        *(f"--optimizer {optimizer} --use-megatron-fsdp --ckpt-format fsdp_dtensor").split(),
         *("--data-parallel-sharding-strategy optim_grads_params --transformer-impl local").split(),
         *("--no-gradient-accumulation-fusion --no-masked-softmax-fusion").split(),
         *("--no-persist-layer-norm --no-rope-fusion --max-position-embeddings 128").split(),
