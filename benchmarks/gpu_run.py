@@ -11,17 +11,21 @@ Each section runs in its own spawned process (``run_ranks``, one NCCL rank), in 
 4. ``gram``: Gram vs standard NS by aspect ratio (``benchmarks.ns_methods`` on the GPU; Gram in
    fp16, its default, and in bf16).
 5. ``symmetric``: symmetric vs standard NS (``ns_method="symmetric"``: its symmetric products as
-   three half-size GEMMs each) on the shapes of 2, in bf16 and in fp32, and in bf16 also
-   emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) where it runs: whether either pays
-   on this card, which decides the default NS method (docs/newton_schulz.md).
+   three half-size GEMMs each) on the shapes of 2, in bf16 and in fp32: whether it pays on this
+   card, which decides the default NS method (docs/newton_schulz.md).
 6. ``training``: a 1B+ GPTModel (``GPU.gpt``, seq 4096) under Megatron-FSDP, bf16 compute weights,
    Muon (``build_muon_optimizer``) and AdamW (megatron-core's), each kind in its own process:
    median whole step, optimizer step, peak memory (``max_memory_allocated``) and state memory.
-7. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
+7. ``syrk``: emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) against the standard NS on
+   the shapes of 2, in bf16, where it runs; last and under a time bound of its own
+   (``SYRK_TIMEOUT_S``: its kernels compile and autotune on each shape's first call).
+8. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
    priced at the rates measured above (module ``benchmarks.gpu_targets``).
 
 The targets (``benchmarks.gpu_targets.TARGETS``) are reported met or not, with the figures behind
-each. On CPU the same code runs at ``QUICK_CPU`` sizes (``tests/test_gpu_benchmarks.py``).
+each. ``results.json`` is rewritten after every section (``"partial": true`` in its ``meta`` until
+the run ends), so a run stopped from outside keeps every finished section's figures. On CPU the
+same code runs at ``QUICK_CPU`` sizes (``tests/test_gpu_benchmarks.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ from benchmarks.stock_comparison import stock_comparison
 from benchmarks.training_step import Trainer
 
 __all__ = ["run", "main"]
+
+# The syrk section's bound: its Triton kernels compile and autotune on each shape's first call. On
+# an H200 (2026-11-27) the section, then inside the symmetric one, had not finished after 190 s and
+# the run stopped there with no figure kept; now it runs last, bounded, and every earlier figure is
+# already saved.
+SYRK_TIMEOUT_S = 240.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,30 +110,22 @@ def symmetric_vs_standard(
 ) -> list[dict]:
     """Standard and symmetric NS (5 quintic steps) of each ``(rows, cols)`` fp32 matrix, timed
     alternately (``interleaved_times``), at "medium" (bf16 matmuls, Megatron's default) and
-    "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio. At "medium"
-    also emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) in the same rotation where it
-    runs (``syrk_s``, ``syrk_over_standard``); elsewhere ``syrk_s`` is None and ``syrk_problem``
-    says why (it has no "highest" form: emerging-optimizers runs it at "medium" only)."""
+    "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio."""
     from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
-    from megatron_muon.newton_schulz.syrk import syrk_problem
 
     standard, symmetric = NSConfig(), NSConfig(ns_method="symmetric")
-    problem = syrk_problem(device)
-    syrk = NSConfig(use_syrk=True) if problem is None else None
     rows_out = []
     for precision in ("medium", "highest"):
         torch.set_float32_matmul_precision(precision)
         for rows, cols in shapes:
             x = torch.randn(rows, cols, device=device)
-            calls = [
-                lambda x=x: orthogonalize(x, standard),
-                lambda x=x: orthogonalize(x, symmetric),
-            ]
-            if syrk is not None and precision == "medium":
-                calls.append(lambda x=x: orthogonalize(x, syrk))
-            times = interleaved_times(calls, warmup, repeats, device)
+            times = interleaved_times(
+                [lambda x=x: orthogonalize(x, standard), lambda x=x: orthogonalize(x, symmetric)],
+                warmup,
+                repeats,
+                device,
+            )
             standard_s, symmetric_s = median(times[0]), median(times[1])
-            syrk_s = median(times[2]) if len(times) > 2 else None
             rows_out.append(
                 {
                     "shape": [rows, cols],
@@ -132,12 +134,53 @@ def symmetric_vs_standard(
                     "symmetric_s": symmetric_s,
                     "symmetric_over_standard": symmetric_s / standard_s,
                     "flop_ratio": symmetric.flops(rows, cols) / standard.flops(rows, cols),
-                    "syrk_s": syrk_s,
-                    "syrk_over_standard": None if syrk_s is None else syrk_s / standard_s,
-                    "syrk_problem": problem if precision == "medium" else "no 'highest' form",
                 }
             )
     return rows_out
+
+
+def syrk_vs_standard(
+    rank: int,
+    world_size: int,
+    device: str,
+    shapes: list[tuple[int, int]],
+    warmup: int,
+    repeats: int,
+) -> dict:
+    """emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) against the standard NS on each
+    ``(rows, cols)`` fp32 matrix, timed alternately at "medium" (its only precision: it runs the
+    dense iteration under "high"/"highest"): ``{"problem": None, "rows": [...]}``, or where it
+    cannot run ``{"problem": why, "rows": []}``. Each shape's first call compiles (and autotunes)
+    its Triton kernels: the section runs last, under its own time bound (``SYRK_TIMEOUT_S``)."""
+    from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
+    from megatron_muon.newton_schulz.syrk import syrk_problem
+
+    if (problem := syrk_problem(device)) is not None:
+        return {"problem": problem, "rows": []}
+    standard, syrk = NSConfig(), NSConfig(use_syrk=True)
+    torch.set_float32_matmul_precision("medium")
+    rows_out = []
+    for rows, cols in shapes:
+        x = torch.randn(rows, cols, device=device)
+        compile_s = timed(lambda x=x: orthogonalize(x, syrk), device)
+        times = interleaved_times(
+            [lambda x=x: orthogonalize(x, standard), lambda x=x: orthogonalize(x, syrk)],
+            warmup,
+            repeats,
+            device,
+        )
+        standard_s, syrk_s = median(times[0]), median(times[1])
+        rows_out.append(
+            {
+                "shape": [rows, cols],
+                "standard_s": standard_s,
+                "syrk_s": syrk_s,
+                "syrk_over_standard": syrk_s / standard_s,
+                "first_call_s": compile_s,
+            }
+        )
+        print(f"[gpu bench] syrk {rows}x{cols}: {rows_out[-1]}", flush=True)
+    return {"problem": None, "rows": rows_out}
 
 
 def stock_and_owner(
@@ -206,8 +249,10 @@ def _training_section(config: GpuBenchConfig, device: str) -> dict:
     return out
 
 
-def run(device: str, config: GpuBenchConfig, log=print) -> dict:
-    """Every section in order; a section that raises is recorded (``"error"``) and the rest run."""
+def run(device: str, config: GpuBenchConfig, log=print, on_section=None) -> dict:
+    """Every section in order; a section that raises (or outlasts its launch's time bound) is
+    recorded (``"error"``) and the rest run. ``on_section(results)`` after each section, so that a
+    run stopped from outside keeps what finished."""
     sections = {
         "matmul": lambda: run_ranks(matmul_rate, 1, device, config.matmul_size, config.repeats)[0],
         "newton_schulz": lambda: run_ranks(
@@ -221,6 +266,15 @@ def run(device: str, config: GpuBenchConfig, log=print) -> dict:
             symmetric_vs_standard, 1, device, list(config.ns_shapes), config.warmup, config.repeats
         )[0],
         "training": lambda: _training_section(config, device),
+        "syrk": lambda: run_ranks(
+            syrk_vs_standard,
+            1,
+            device,
+            list(config.ns_shapes),
+            config.warmup,
+            config.repeats,
+            timeout=SYRK_TIMEOUT_S,
+        )[0],
     }
     results: dict = {"config": asdict(config), "section_seconds": {}}
     for name, section in sections.items():
@@ -232,6 +286,8 @@ def run(device: str, config: GpuBenchConfig, log=print) -> dict:
             log(traceback.format_exc())
         results["section_seconds"][name] = time.monotonic() - start
         log(f"[gpu bench] {name}: {results['section_seconds'][name]:.1f} s")
+        if on_section is not None:
+            on_section(results)
     results["prediction"] = gpu_targets.predict(results, config)
     results["targets"] = gpu_targets.verdicts(results)
     return results
@@ -243,7 +299,15 @@ def main(out_dir: str, quick: bool, device: str = "cuda") -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    results = run(device, config)
+
+    def save_so_far(results: dict) -> None:
+        partial = {
+            **results,
+            "meta": {**_meta(device, time.monotonic() - started), "partial": True},
+        }
+        (out / "results.json").write_text(json.dumps(partial, indent=2))
+
+    results = run(device, config, on_section=save_so_far)
     results["meta"] = _meta(device, time.monotonic() - started)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     text = gpu_targets.format_markdown(results)

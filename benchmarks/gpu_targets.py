@@ -198,20 +198,24 @@ def format_markdown(results: dict) -> str:
                 f"{g['gram_s'] * 1e3:.2f} | {g['speedup']:.2f}x |"
             )
     if _ok(results.get("symmetric")):
-        lines += ["", "| symmetric / syrk vs standard NS | precision | standard ms | "
-                  "symmetric ms | time ratio | FLOP ratio | syrk ms | syrk ratio |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| symmetric vs standard NS | precision | standard ms | symmetric ms | "
+                  "time ratio | FLOP ratio |", "|---|---|---|---|---|---|"]  # fmt: skip
         for r in results["symmetric"]:
-            syrk = r.get("syrk_s")
             lines.append(
                 f"| {tuple(r['shape'])} | {r['precision']} | {r['standard_s'] * 1e3:.2f} | "
                 f"{r['symmetric_s'] * 1e3:.2f} | {r['symmetric_over_standard']:.3f} | "
-                f"{r['flop_ratio']:.3f} | "
-                + (
-                    f"{syrk * 1e3:.2f} | {r['syrk_over_standard']:.3f} |"
-                    if syrk is not None
-                    else f"- | not run: {r.get('syrk_problem')} |"
-                )
+                f"{r['flop_ratio']:.3f} |"
+            )
+    syrk = results.get("syrk")
+    if _ok(syrk) and syrk["problem"] is not None:
+        lines += ["", f"syrk NS (`--muon-use-syrk`) not run: {syrk['problem']}."]
+    elif _ok(syrk):
+        lines += ["", "| syrk vs standard NS (bf16) | standard ms | syrk ms | time ratio | "
+                  "first call s |", "|---|---|---|---|---|"]  # fmt: skip
+        for r in syrk["rows"]:
+            lines.append(
+                f"| {tuple(r['shape'])} | {r['standard_s'] * 1e3:.2f} | {r['syrk_s'] * 1e3:.2f} | "
+                f"{r['syrk_over_standard']:.3f} | {r['first_call_s']:.1f} |"
             )
     if _ok(results.get("training")):
         lines += ["", "| training step | step ms | optimizer ms | peak GiB | state GiB |"]

@@ -17,17 +17,22 @@ __all__ = ["run_ranks"]
 BENCH_TIMEOUT_S = 600.0
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, device: DeviceT, *args: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    device: DeviceT,
+    *args: Any,
+    timeout: float = BENCH_TIMEOUT_S,
+) -> list[Any]:
     """``fn(rank, world_size, device, *args)`` on ``world_size`` ranks; results in rank order.
 
     ``fn`` must be a module-level function (it is pickled by reference).
 
     Raises:
         megatron_muon.testing.RankFailure: a rank raised (its traceback in the message).
-        megatron_muon.testing.RankTimeout: ranks did not finish within 600 s (named in the message).
+        megatron_muon.testing.RankTimeout: ranks did not finish within ``timeout`` seconds (600 by
+            default; named in the message).
     """
     from benchmarks.machine import quiet_rank
 
-    return run_on_ranks(
-        quiet_rank, world_size, fn, device, *args, timeout=BENCH_TIMEOUT_S, device=device
-    )
+    return run_on_ranks(quiet_rank, world_size, fn, device, *args, timeout=timeout, device=device)

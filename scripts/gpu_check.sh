@@ -7,8 +7,9 @@
 #   bench.log     the benchmark's progress and report
 #   results.json  the benchmark's figures and target verdicts; results.md, its tables (among them
 #                 standard vs symmetric vs Triton syrk NS, --muon-use-syrk, where syrk can run)
-# Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md). Exit status: 0 when the tests and every
-# benchmark section ran; 1 otherwise; 2 without a CUDA device.
+# Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md); GPU_CHECK_ONLY=tests or =bench runs one
+# half (each fits a 10-minute slot). Exit status: 0 when the tests and every benchmark section ran;
+# 1 otherwise; 2 without a CUDA device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
@@ -43,9 +44,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+ONLY=${GPU_CHECK_ONLY:-}
 status=0
-timeout 300 "$PY" -m pytest -m gpu tests -p no:cacheprovider -q -rA > "$OUT/pytest.log" 2>&1 || status=1
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest.log"
-timeout 420 "$PY" -m benchmarks --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
-grep -v -E "UserWarning|warnings.warn|SyntaxWarning|Evict LRU" "$OUT/bench.log" | tail -60
+if [ "$ONLY" != bench ]; then
+  # -v: each test's name and verdict as it ends, so a run stopped at the time bound says how far
+  # it got (an H200 run of 2026-11-27 stopped there with four dots and no names).
+  timeout 420 "$PY" -m pytest -m gpu tests -p no:cacheprovider -v -rA --durations=0 \
+    > "$OUT/pytest.log" 2>&1 || status=1
+  grep -E "(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest.log"
+fi
+if [ "$ONLY" != tests ]; then
+  # results.json is rewritten after every section: what finished survives the time bound.
+  timeout 480 "$PY" -m benchmarks --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+  grep -v -E "UserWarning|warnings.warn|SyntaxWarning|Evict LRU" "$OUT/bench.log" | tail -60
+fi
 exit $status
