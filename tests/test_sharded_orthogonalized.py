@@ -3,13 +3,14 @@ matrices.
 
 polargrad, scion, mop, spel, muon_hyperball (with and without ``hyperball_radius``) and
 sinkhorn_muon: each rank steps a row-sharded copy (uneven and empty shards; a rank with no rows has
-``grad is None``) through its adapter (``sharded.orthogonalized_adapters``) and the emerging-
-optimizers class on the full params side by side, two steps with fresh grads, owner and gather
-mode, fp32 with highest matmul precision on both sides. One launch per DP size (2, 3, 4) steps
-them all; DP 1 runs in this process without torch.distributed. Params and momentum: relative error
-(Frobenius, per matrix) <= ``TOLERANCE`` (1e-6): the orthogonalization runs on the same full fp32
-matrix as the reference's (bitwise the same input); only MuonHyperball's weight norms are sums
-over shards, which round differently from a norm in one process (~1e-7).
+``grad is None``) through its adapter (``sharded.orthogonalized_adapters``) and the
+emerging-optimizers class on the full params side by side, two steps with fresh grads, owner mode
+(and gather mode at DP 2), fp32 with highest matmul precision on both sides. One launch per DP
+size (2, 3, 4) steps them all; DP 1 runs in this process without torch.distributed. Params and
+momentum: relative error (Frobenius, per matrix) <= ``TOLERANCE`` (1e-6): the orthogonalization
+runs on the same full fp32 matrix as the reference's (bitwise the same input; measured: 0 error
+but for muon_hyperball); only MuonHyperball's weight norms are sums over shards, which round
+differently from a norm in one process (~1e-7).
 """
 
 from __future__ import annotations
@@ -122,11 +123,29 @@ def _case(case: str, rank: int, world_size: int, mode: str) -> dict[str, float]:
 
 def _run(rank: int, world_size: int) -> dict:
     torch.set_float32_matmul_precision("highest")
-    return {
-        (case, mode): _case(case, rank, world_size, mode)
-        for case in CASES
-        for mode in ("owner", "gather")
+    # Gather mode (the reference placement, no owner exchange) at DP 2 only.
+    modes = ("owner", "gather") if world_size == 2 else ("owner",)
+    results: dict = {
+        (case, mode): _case(case, rank, world_size, mode) for case in CASES for mode in modes
     }
+    results["tensor-parallel refusal"] = _tensor_parallel_refusal()
+    return results
+
+
+def _tensor_parallel_refusal() -> str:
+    """The error for params whose tensor-parallel group (here: all ranks) has several ranks."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_muon.sharded.orthogonalized_adapters import ShardedScion
+
+    tp = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
+    try:
+        ShardedScion([torch.nn.Parameter(torch.ones(4, 4))], pg_collection=tp)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -145,5 +164,7 @@ def test_one_rank_without_torch_distributed_equals_the_class(case: str) -> None:
 def test_row_shards_equal_the_class_on_full_matrices(world_size: int) -> None:
     results = run_on_ranks(_run, world_size)
     for rank, by_case in enumerate(results):
+        refusal = by_case.pop("tensor-parallel refusal")
+        assert f"tensor-parallel size 1 only, got size {world_size}" in refusal, refusal
         for case, errors in by_case.items():
             assert max(errors.values()) <= TOLERANCE, (rank, case, errors)

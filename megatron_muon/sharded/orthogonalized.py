@@ -133,10 +133,14 @@ class ShardedOrthogonalized(ShardedMuon):
         self._check_no_tensor_parallelism()
 
     @classmethod
-    def keywords_from_optimizer_config(cls, config: Any) -> dict[str, Any]:
-        """The class's constructor keywords from megatron-core's ``OptimizerConfig``, read as
-        megatron-core reads them (``_kwargs_from_config``: ``<name>_<arg>``, else ``<arg>``),
-        over the constructors the class's ``**kwargs`` reach (MuonHyperball's: Muon's).
+    def from_optimizer_config(
+        cls, params: ParamsT, config: Any, **kwargs: Any
+    ) -> ShardedOrthogonalized:
+        """One built with the class's constructor keywords from megatron-core's
+        ``OptimizerConfig``, read as megatron-core reads them (``_kwargs_from_config``:
+        ``<name>_<arg>``, else ``<arg>``: ``lr``, ``weight_decay``), over the constructors the
+        class's ``**kwargs`` reach (MuonHyperball's: Muon's). ``kwargs``: the constructor's
+        others (``fsdp``, ``dp_group``, ``pg_collection``).
 
         megatron-core 0.19.2's default entry adds ``betas`` (for Adam-based optimizers), which
         none of these classes takes (its build raises ``TypeError``): not added here.
@@ -144,7 +148,7 @@ class ShardedOrthogonalized(ShardedMuon):
         keywords: dict[str, Any] = {}
         for klass in reversed(_constructor_chain(registry.get_optimizer_cls(cls.name))):
             keywords.update(_kwargs_from_config(klass, cls.name, config))
-        return keywords
+        return cls(params, **kwargs, **keywords)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``ShardedMuon.add_param_group``, refusing params that are not 2-D (the class's rule)."""
