@@ -5,12 +5,13 @@ polargrad, scion, mop, spel, muon_hyperball (with and without ``hyperball_radius
 sinkhorn_muon: each rank steps a row-sharded copy (uneven and empty shards; a rank with no rows has
 ``grad is None``) through its adapter (``sharded.orthogonalized_adapters``) and the
 emerging-optimizers class on the full params side by side, two steps with fresh grads, owner mode
-(and gather mode at DP 2), fp32 with highest matmul precision on both sides. One launch per DP
-size (2, 3, 4) steps them all; DP 1 runs in this process without torch.distributed. Params and
-momentum: relative error (Frobenius, per matrix) <= ``TOLERANCE`` (1e-6): the orthogonalization
-runs on the same full fp32 matrix as the reference's (bitwise the same input; measured: 0 error
-but for muon_hyperball); only MuonHyperball's weight norms are sums over shards, which round
-differently from a norm in one process (~1e-7).
+(and gather mode at DP 2; MuonHyperball and SinkhornMuon also on params replicated over the group,
+where sums must count each row once), fp32 with highest matmul precision on both sides. One launch
+per DP size (2, 3, 4) steps them all; DP 1 runs in this process without torch.distributed.
+Params and momentum: relative error (Frobenius, per matrix) <= ``TOLERANCE`` (1e-6): the
+orthogonalization runs on the same full fp32 matrix as the reference's (bitwise the same input;
+measured: 0 error but for muon_hyperball); only MuonHyperball's weight norms are sums over shards,
+which round differently from a norm in one process (~1e-7).
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ def _errors(params, optimizer, reference_params, reference, starts) -> dict[str,
     return worst
 
 
-def _case(case: str, rank: int, world_size: int, mode: str) -> dict[str, float]:
+def _case(
+    case: str, rank: int, world_size: int, mode: str, replicated: bool = False
+) -> dict[str, float]:
+    """``replicated``: every rank holds the whole params (plain tensors replicated over the
+    group, as under ``no_shard``): sums over the group count each row once."""
     from emerging_optimizers import registry
 
     from megatron_muon.sharded.adaptive_muon import MuonFsdpConfig
@@ -106,7 +111,7 @@ def _case(case: str, rank: int, world_size: int, mode: str) -> dict[str, float]:
     fulls = _initial(name)
     reference_params = [torch.nn.Parameter(f.clone()) for f in fulls]
     reference = registry.get_optimizer_cls(name)(reference_params, **keywords)
-    if world_size == 1:
+    if world_size == 1 or replicated:
         splits, starts = None, [0] * len(fulls)
         params = [torch.nn.Parameter(f.clone()) for f in fulls]
     else:
@@ -128,6 +133,8 @@ def _run(rank: int, world_size: int) -> dict:
     results: dict = {
         (case, mode): _case(case, rank, world_size, mode) for case in CASES for mode in modes
     }
+    for case in ("muon_hyperball", "sinkhorn_muon"):  # norms and column sums over the group
+        results[(case, "replicated")] = _case(case, rank, world_size, "owner", replicated=True)
     results["tensor-parallel refusal"] = _tensor_parallel_refusal()
     return results
 
