@@ -2,8 +2,9 @@
 Megatron-FSDP GPTModel.
 
 One launch (2 gloo ranks) trains the tiny GPTModel of tests/test_factory.py under megatron-core's
-``FullyShardedDataParallel`` (``optim_grads_params``) for ``STEPS`` steps with each of polargrad,
-scion, mop, spel, muon_hyperball and sinkhorn_muon, built from ``OptimizerConfig(optimizer=name)``,
+``FullyShardedDataParallel`` (``optim_grads_params``; muon_hyperball also ``no_shard``, spel also
+``optim``) for ``STEPS`` steps with each of polargrad, scion, mop, spel, muon_hyperball and
+sinkhorn_muon, built from ``OptimizerConfig(optimizer=name)``,
 next to a single-process fp32 reference: the emerging-optimizers class itself on the full matrices
 + AdamW (``tests/gpt_parity.py``; its matrices' lr and weight decay as the factory's param groups
 give them). fp32 "highest" matmuls on both sides (``OptimizerConfig.<name>_fp32_matmul_prec``,
@@ -29,7 +30,12 @@ from tests.factory_gpt_runs import assert_matches_reference
 from tests.gpt_parity import FLOOR_FACTOR, Run
 
 NAMES = get_args(OrthogonalizedOptimizerT)
-RUN = Run("mcore", "optim_grads_params")
+# (run, optimizer): each under optim_grads_params; the two with whole-weight hooks also under
+# another strategy (no_shard: replicated params, their norms counted once; optim: ZeRO-1).
+RUNS = [(Run("mcore", "optim_grads_params"), name) for name in NAMES] + [
+    (Run("mcore", "no_shard"), "muon_hyperball"),
+    (Run("mcore", "optim"), "spel"),
+]
 STEPS = 3
 # AdamW's params beside SinkhornMuon (test_gpt_matches_the_unsharded_class says why).
 ADAMW_NOISE_FACTOR = 4.0
@@ -68,7 +74,7 @@ def _config(name: str):
 def _train(rank: int, world_size: int) -> list[dict]:
     gpt_parity.init_megatron()
     results = []
-    for name in NAMES:
+    for run, name in RUNS:
         init = (
             dict(init_method=_sinkhorn_init, output_layer_init_method=_sinkhorn_init)
             if name == "sinkhorn_muon"
@@ -76,7 +82,7 @@ def _train(rank: int, world_size: int) -> list[dict]:
         )
         results.append(
             gpt_parity.train(
-                RUN,
+                run,
                 rank,
                 world_size,
                 STEPS,
@@ -94,11 +100,12 @@ def results() -> list[list[dict]]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", NAMES)
-def test_gpt_matches_the_unsharded_class(results, name: str) -> None:
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=[f"{n}-{r.strategy}" for r, n in RUNS])
+def test_gpt_matches_the_unsharded_class(results, index: int) -> None:
     from emerging_optimizers import registry
 
-    per_rank = [rank_results[NAMES.index(name)] for rank_results in results]
+    name = RUNS[index][1]
+    per_rank = [rank_results[index] for rank_results in results]
     class_name = registry.get_optimizer_cls(name).__name__
     assert any(f"{class_name}[dense]" in line for line in per_rank[0]["summary"])
     if name != "sinkhorn_muon":
