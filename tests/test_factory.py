@@ -153,7 +153,8 @@ def test_unknown_optimizer_name_is_refused_with_the_known_names():
 
     with pytest.raises(
         ValueError,
-        match=r"builds optimizer\(s\) \['adaptive_muon', 'lion', 'muon'\].*optimizer='soap'",
+        match=r"builds optimizer\(s\) \['adaptive_muon', 'lion', 'mop', 'muon', 'muon_hyperball', "
+        r"'polargrad', 'scion', 'sinkhorn_muon', 'spel'\].*optimizer='soap'",
     ):
         build_muon_optimizer(gpt_parity.optimizer_config(optimizer="soap"), [torch.nn.Linear(2, 2)])
 

@@ -19,6 +19,7 @@ __all__ = [
     "MegatronMatmulPrecT",
     "MegatronOptimizerT",
     "MuonScaleT",
+    "OrthogonalizedOptimizerT",
     "ScalarOptimizerT",
     "TpModeT",
     "check_choice",
@@ -44,6 +45,12 @@ MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
 # (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
 FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion"]
+# The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
+# megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
+# trainer (``sharded.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.
+OrthogonalizedOptimizerT = Literal[
+    "polargrad", "scion", "mop", "spel", "muon_hyperball", "sinkhorn_muon"
+]
 
 
 def check_choice(name: str, value: Any, alias: Any) -> None:

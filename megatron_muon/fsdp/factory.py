@@ -1,13 +1,14 @@
 """``build_muon_optimizer``: Muon + AdamW (or Lion), or Lion alone, for Megatron-FSDP chunks.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` (or
-``"lion"``, the values of ``common.options.FsdpOptimizerT``) meets Megatron-FSDP (alias
+``"lion"``, the values of ``common.options.FsdpOptimizerT``, or another orthogonalized optimizer
+of emerging-optimizers, ``OrthogonalizedOptimizerT``) meets Megatron-FSDP (alias
 ``get_megatron_muon_optimizer``, same signature). It returns the final optimizer: an
 ``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its subclass
 ``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip, around an
 ``FsdpChainedOptimizer`` of ``FP32Optimizer``-wrapped sub-optimizers:
 
-- ``ShardedMuon`` for dense matrices, rows sharded over ``pg_collection.dp_cp``;
+- ``ShardedMuon`` (or a subclass) for dense matrices, rows sharded over ``pg_collection.dp_cp``;
 - ``ShardedMuon`` for expert matrices, over ``pg_collection.expt_dp``;
 - AdamW (``muon_scalar_optimizer="adam"``) or Lion for everything else;
 
@@ -44,7 +45,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
-from megatron_muon.common.options import FsdpOptimizerT
+from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
 from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
@@ -65,6 +66,8 @@ from megatron_muon.fsdp.routing import (
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.orthogonalized import ShardedOrthogonalized
+from megatron_muon.sharded.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
 from megatron_muon.sharded.sharded_muon import ShardedMuon
 from megatron_muon.sharded.tensor_parallel import check_param_meshes
 
@@ -81,8 +84,9 @@ _MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | None] = {
     "muon": ShardedMuon,
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
+    **SHARDED_ORTHOGONALIZED,
 }
-assert set(_MATRIX_OPTIMIZERS) == set(get_args(FsdpOptimizerT)), "a builder per FsdpOptimizerT"
+assert set(_MATRIX_OPTIMIZERS) == {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
 _SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
@@ -114,8 +118,9 @@ def build_muon_optimizer(
 
     Args:
         config: megatron-core ``OptimizerConfig`` with ``optimizer="muon"`` (its ``muon_*``
-            fields) or ``"lion"``; lr / min_lr / decoupled_lr, weight_decay, adam betas/eps or
-            lion betas, clip_grad, bf16 (fp16 is refused), log_num_zeros_in_grad.
+            fields), ``"adaptive_muon"``, ``"lion"``, an ``OrthogonalizedOptimizerT`` name; lr,
+            min_lr, decoupled_lr, weight_decay, adam betas/eps or lion betas, clip_grad, bf16
+            (fp16 is refused), log_num_zeros_in_grad.
         model_chunks: megatron-core ``FullyShardedDataParallel`` or ``MegatronFSDP`` modules (either
             copy of the class), built right after wrapping: their params must be Megatron-FSDP's
             optimizer params (DTensors), not the compute weights swapped in during forward.
@@ -157,9 +162,10 @@ def build_muon_optimizer(
     _check_config(config)
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)
-    # Muon's flags are read (and checked) only where Muon is built.
-    with_muon = _MATRIX_OPTIMIZERS[config.optimizer] is not None
-    muon_config = MuonConfig.from_optimizer_config(config) if with_muon else None
+    # Muon's flags are read (and checked) only where Muon is built (ShardedOrthogonalized: none).
+    muon_config = None if _MATRIX_OPTIMIZERS[config.optimizer] is None else MuonConfig()
+    if config.optimizer in ("muon", "adaptive_muon"):
+        muon_config = MuonConfig.from_optimizer_config(config)
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
     # The rest: muon_scalar_optimizer beside Muon; Adam beside another emerging optimizer, as
@@ -316,22 +322,25 @@ def _muon_optimizer(
     extra: dict[str, Any] = {}
     if optimizer_class is ShardedAdaptiveMuon:
         extra["adaptive"] = AdaptiveMuonConfig.from_optimizer_config(config)
-    muon = optimizer_class(
-        groups,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        muon=muon_config,
-        fsdp=fsdp_config,
-        dp_group=dp_group,
-        pg_collection=pg_collection,
-        is_qkv_fn=is_qkv,
-        qkv_split_shapes=qkv_split_shapes,
-        **extra,
-    )
+    common: dict[str, Any] = dict(fsdp=fsdp_config, dp_group=dp_group, pg_collection=pg_collection)
+    if issubclass(optimizer_class, ShardedOrthogonalized):  # its own settings from ``config``
+        muon: ShardedMuon = optimizer_class.from_optimizer_config(groups, config, **common)
+    else:
+        muon = optimizer_class(
+            groups,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            muon=muon_config,
+            is_qkv_fn=is_qkv,
+            qkv_split_shapes=qkv_split_shapes,
+            **common,
+            **extra,
+        )
     kind = "expert" if is_expert else "dense"
     name = "Muon"
     if isinstance(muon, ShardedAdaptiveMuon):
         name = f"AdaptiveMuon({muon.moment2_method})"
+    name = type(muon.reference).__name__ if isinstance(muon, ShardedOrthogonalized) else name
     line = (
         f"megatron-muon {name}[{kind}]: {_count(groups)} over "
         f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"

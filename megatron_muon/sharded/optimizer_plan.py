@@ -34,6 +34,8 @@ class PlannedMuon(Protocol):
     pg_collection: Any
     ns_config: NSConfig
     fsdp_config: MuonFsdpConfig
+    # Every matrix goes whole through the optimizer's own ``orthogonalize`` (NSMatrix).
+    own_orthogonalize: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class OptimizerPlan:
                 tp_collectives=needs_tp_collectives(param, muon.tp_mode, muon.pg_collection),
                 tp_partitions=partitions[i][0],
                 tp_partition_dim=partitions[i][1],
+                own_orthogonalize=muon.own_orthogonalize,
             )
             for i, param in enumerate(params)
             if param.ndim == 2

@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,10 @@ class ShardedMuon(TensorParallelMuon):
             duplicated/distributed, whose tensor-parallel axis is not ``pg_collection.tp``
             (``expt_tp``) or does not split ``partition_dim``.
     """
+
+    #: Whether every matrix goes whole through ``self.orthogonalize`` on its owner, never split
+    #: (``NSMatrix.own_orthogonalize``; the other emerging optimizers, ``orthogonalized``).
+    own_orthogonalize: ClassVar[bool] = False
 
     def __init__(
         self,

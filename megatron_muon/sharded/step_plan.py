@@ -86,6 +86,9 @@ class NSMatrix:
         tp_partitions: under tp_mode ``layer_sharded``, the TP partitions stacked along the rows
             of ``layout`` (``tp_grid``); 1 otherwise.
         tp_partition_dim: the dim along which those partitions join into the unsplit matrix.
+        own_orthogonalize: its orthogonalization is the optimizer's own per-matrix function on
+            the whole matrix (an emerging optimizer other than Muon: ``orthogonalized``), never
+            split.
     """
 
     param: int
@@ -94,6 +97,7 @@ class NSMatrix:
     tp_collectives: bool = False
     tp_partitions: int = 1
     tp_partition_dim: int = 0
+    own_orthogonalize: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -112,8 +116,9 @@ class NSMatrix:
     @property
     def stock_ns(self) -> bool:
         """Its NS is ``TensorParallelMuon``'s on the whole matrix, on one rank (never split):
-        with TP collectives (duplicated, distributed) or unsplit here (layer_sharded)."""
-        return self.tp_collectives or self.tp_partitions > 1
+        with TP collectives (duplicated, distributed) or unsplit here (layer_sharded); or the
+        optimizer's own orthogonalization (``own_orthogonalize``)."""
+        return self.tp_collectives or self.tp_partitions > 1 or self.own_orthogonalize
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
