@@ -47,6 +47,8 @@ from tests.torchrun import run_megatron
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
 
 NUM_ITERS, SAVE_AT = 8, 4
+# The DP sizes the DP=2 checkpoint is loaded at (one launch each, per optimizer).
+RESHARD_DP = (1, 3)
 MOE_LAYOUT = [
     *("--num-experts 4 --disable-bias-linear --moe-token-dispatcher-type alltoall").split(),
     *("--position-embedding-type rope --make-vocab-size-divisible-by 64").split(),
@@ -84,7 +86,7 @@ class Runs:
         self.ours = run_megatron([*flags, *TP2_EP2, *strategy, *save], nproc=4, timeout=300)
         load = ["--load", str(root / "dp2"), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
         self.resaved: dict[int, Path] = {}
-        for dp in (1, 3):
+        for dp in RESHARD_DP:
             out = root / f"dp{dp}"
             resave = [*("--train-iters", str(SAVE_AT), "--override-opt_param-scheduler")]
             resave += ["--save", str(out), "--save-interval", "3"]
