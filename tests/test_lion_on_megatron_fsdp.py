@@ -22,6 +22,8 @@ Checked here:
   after 5 steps within ``gpt_parity.FLOOR_FACTOR`` of the reduction-order floor of the unsharded
   emerging-optimizers ``Lion`` + torch ``AdamW`` (measured in the same launch), losses and grad
   norms to 1e-5; some Lion params have no rows on one rank (empty shards).
+  The same for the MoE GPT (4 experts, their rows over ``expt_dp``; one Lion steps dense and
+  expert shards alike), under optim_grads_params, in the same launch.
 - ``--optimizer soap`` with ``--use-megatron-fsdp`` is refused by name.
 """
 
@@ -256,7 +258,17 @@ def _train_lion(rank: int, world_size: int) -> list[dict]:
             reference_class=LionReference,
         )
         results.append(result)
-    return results
+    # The MoE GPT: expert rows over expt_dp.
+    moe = gpt_parity.train(
+        Run("mcore", "optim_grads_params"),
+        rank,
+        world_size,
+        CUSTOM_STEPS,
+        True,
+        config=lion_config(),
+        reference_class=LionReference,
+    )
+    return [*results, moe]
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +303,23 @@ def test_factory_lion_on_fully_sharded_data_parallel_matches_unsharded_lion(
             for r in per_rank
         ]
         assert any(0 in (rows[0][name], rows[1][name]) for name in lion), rows
+
+
+@pytest.mark.multirank
+def test_factory_lion_on_an_moe_gpt_matches_unsharded_lion(
+    custom_results: list[list[dict]],
+) -> None:
+    per_rank = [rank_results[len(STRATEGIES)] for rank_results in custom_results]
+    routing = per_rank[0]["routing"]
+    experts = [(n, o) for n, o, is_expert in routing if is_expert and ".experts." in n]
+    assert len(experts) == 2 * gpt_parity.NUM_EXPERTS * 2, routing  # layers x experts x fc1/fc2
+    assert {o for _, o in experts} == {"lion"}, experts
+    # One megatron-core Lion over the dense and the expert row shards (elementwise: no group).
+    assert per_rank[0]["summary"][0].startswith("megatron-muon Lion:"), per_rank[0]["summary"]
+    errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
+    worst = max(errors, key=errors.get)
+    print(f"\nMoE optim_grads_params: largest deviation {worst} {errors[worst]:.2e}")
+    for result in per_rank:
+        for step, stats in enumerate(result["stats"]):
+            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
+            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step

@@ -139,12 +139,14 @@ def _run(rank: int, world_size: int) -> dict:
 
 
 def _tensor_parallel_refusal(fulls: list[torch.Tensor]) -> str:
-    """The error for params whose tensor-parallel group (here: all ranks) has several ranks."""
+    """normuon's error for params whose tensor-parallel group (here: all ranks) has several ranks;
+    adamuon (elementwise) is built there."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
     tp = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
+    _sharded([torch.nn.Parameter(f.clone()) for f in fulls], "adamuon", "owner", pg_collection=tp)
     try:
         _sharded(
             [torch.nn.Parameter(f.clone()) for f in fulls], "normuon", "owner", pg_collection=tp
@@ -176,7 +178,8 @@ def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> Non
     results = run_on_ranks(_run, world_size)
     for rank, by_case in enumerate(results):
         refusal = by_case.pop("tensor-parallel refusal")
-        assert f"tensor-parallel size 1 only, got size {world_size}" in refusal, refusal
+        assert "moment2_method='normuon' runs at tensor-parallel size 1 only" in refusal, refusal
+        assert f"got size {world_size}" in refusal, refusal
         assert "tp_mode='blockwise'" in refusal, refusal
         for case, result in by_case.items():
             assert max(result["errors"].values()) <= TOLERANCE, (rank, case, result["errors"])

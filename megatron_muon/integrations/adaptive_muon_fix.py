@@ -12,9 +12,12 @@ megatron-core 0.19.2's ``TensorParallelAdaptiveMuon`` (``--optimizer adaptive_mu
   second moment: the scale would be applied twice.
 
 ``TensorParallelAdaptiveMuonFixed`` sets ``scale_mode`` and ``extra_scale_factor`` and
-orthogonalizes without the scale (``newton_schulz_tp``, as ``TensorParallelMuon`` calls it), so a
-step is ``AdaptiveMuon``'s: raw Newton-Schulz, second moment, Muon's scale once (QKV split and
-tensor parallelism as ``TensorParallelMuon`` has them). ``install()`` puts it in megatron-core's
+orthogonalizes without the scale (``sharded.adaptive_muon.raw_orthogonalize_fn``:
+``newton_schulz_tp`` as ``TensorParallelMuon`` calls it), so a step is ``AdaptiveMuon``'s: raw
+Newton-Schulz, second moment, Muon's scale once (QKV split and tensor parallelism as
+``TensorParallelMuon`` has them). At tensor-parallel size > 1 the second moment and the scale
+apply to the TP rank's partition (``AdaptiveMuon.step`` on the TP-local param), which
+``ShardedAdaptiveMuon`` matches for adamuon. ``install()`` puts it in megatron-core's
 emerging-optimizer registry for ``"adaptive_muon"``; ``megatron_lm.install()`` calls it after its
 megatron-core version check. Without Megatron-FSDP, Megatron-LM's loop then trains with it; with
 Megatron-FSDP the factory builds ``ShardedAdaptiveMuon`` instead.
@@ -26,11 +29,10 @@ import importlib
 import inspect
 from typing import Any
 
-import torch
-from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
 
 from megatron_muon.integrations.megatron_version import check_megatron_core_version
+from megatron_muon.sharded.adaptive_muon import raw_orthogonalize_fn
 
 __all__ = ["TensorParallelAdaptiveMuonFixed", "install"]
 
@@ -48,23 +50,9 @@ class TensorParallelAdaptiveMuonFixed(TensorParallelAdaptiveMuon):
         # AdaptiveMuon._apply_muon_scale reads these two.
         self.scale_mode = values["scale_mode"]
         self.extra_scale_factor = values["extra_scale_factor"]
-        steps, coefficient_type = values["num_ns_steps"], values["coefficient_type"]
-        tp_mode = "duplicated" if values["tp_mode"] == "blockwise" else values["tp_mode"]
-
-        def raw_orthogonalize_fn(
-            grad: torch.Tensor, tp_group: Any, partition_dim: int | None = None
-        ) -> torch.Tensor:
-            # TensorParallelMuon's scaled_orthogonalize_fn without Muon's scale.
-            return newton_schulz_tp(
-                grad,
-                steps=steps,
-                coefficient_type=coefficient_type,
-                tp_group=tp_group,
-                partition_dim=partition_dim,
-                tp_mode=tp_mode,
-            )
-
-        self.scaled_orthogonalize_fn = raw_orthogonalize_fn
+        self.scaled_orthogonalize_fn = raw_orthogonalize_fn(
+            values["num_ns_steps"], values["coefficient_type"], values["tp_mode"]
+        )
 
 
 def install() -> None:

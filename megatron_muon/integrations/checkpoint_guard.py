@@ -41,6 +41,8 @@ __all__ = [
     "install",
     "make_adam_state_rank_symmetric",
     "check_optimizer_state_kinds",
+    "optimizer_of_state",
+    "state_kinds_refusal",
 ]
 
 _INSTALLED = False
@@ -114,22 +116,60 @@ def _with_rank_symmetric_adam_state(get_megatron_optimizer: Any) -> Any:
 # --------------------------------------------------------------------------------------------------
 
 
-def _saved_state_kinds(directory: str) -> set[str]:
-    """The optimizer state keys (``exp_avg``, ``momentum_buffer``, ...) a DCP checkpoint holds."""
+def _saved_state_kinds(directory: str) -> list[set[str]]:
+    """The optimizer state keys (``exp_avg``, ``momentum_buffer``, ...) a DCP checkpoint holds,
+    per param (a key ``optimizer.state.<param>.<kind>``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(directory).read_metadata().state_dict_metadata
-    return {
-        key.rsplit(".", 1)[-1]
-        for key in keys
-        if key.startswith(_OPTIMIZER_PREFIX) and "." in key[len(_OPTIMIZER_PREFIX) :]
-    }
+    by_param: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith(_OPTIMIZER_PREFIX) and "." in key[len(_OPTIMIZER_PREFIX) :]:
+            param, kind = key.rsplit(".", 1)
+            by_param.setdefault(param, set()).add(kind)
+    return list(by_param.values())
 
 
-def _run_state_kinds(optimizer: Any) -> set[str]:
-    return {
-        key for leaf in leaf_optimizers(optimizer) for state in leaf.state.values() for key in state
-    }
+def _run_state_kinds(optimizer: Any) -> list[set[str]]:
+    return [set(state) for leaf in leaf_optimizers(optimizer) for state in leaf.state.values()]
+
+
+def optimizer_of_state(kinds: list[set[str]]) -> str | None:
+    """The ``--optimizer`` whose state holds these per-param keys: a second moment next to Muon's
+    momentum is adaptive_muon's, Muon's momentum alone muon's, a first moment without a second
+    one (``exp_avg`` without ``exp_avg_sq``: Lion's, beside AdamW's for the other params) lion's,
+    Adam's two moments alone adam's. None: none of these (nothing to name)."""
+    union = set().union(*kinds) if kinds else set()
+    if "moment2_buffer" in union:
+        return "adaptive_muon"
+    if "momentum_buffer" in union:
+        return "muon"
+    if any("exp_avg" in k and "exp_avg_sq" not in k for k in kinds):
+        return "lion"
+    if "exp_avg_sq" in union:
+        return "adam"
+    return None
+
+
+def state_kinds_refusal(
+    saved: list[set[str]], mine: list[set[str]], optimizer: str, load: str, directory: str
+) -> str | None:
+    """Why the optimizer state ``saved`` (per param) cannot load into this run's (``mine``,
+    ``--optimizer optimizer``): the keys differ, or the state is another optimizer's (Lion's and
+    Adam's keys are the same names, held by different params). None: it can."""
+    if not saved or not mine:
+        return None
+    saved_union, mine_union = set().union(*saved), set().union(*mine)
+    saved_by, mine_by = optimizer_of_state(saved), optimizer_of_state(mine)
+    if saved_union == mine_union and saved_by == mine_by:
+        return None
+    by = f" (saved by --optimizer {saved_by})" if saved_by is not None else ""
+    return (
+        f"--load {load}: checkpoint {directory}{by} holds optimizer state "
+        f"{sorted(saved_union)}, this run's --optimizer {optimizer} keeps {sorted(mine_union)} "
+        "(saved by a run with another --optimizer?). Pass --no-load-optim to load the weights "
+        "alone, or the --optimizer the checkpoint was saved with"
+    )
 
 
 def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
@@ -139,7 +179,8 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
 
     Raises:
         CheckpointMismatchError: the state keys differ (e.g. ``momentum_buffer`` from a Muon run
-            loaded into ``--optimizer adam``).
+            loaded into ``--optimizer adam``), or they are another optimizer's
+            (``state_kinds_refusal``); the message names both optimizers.
     """
     if (
         optimizer is None
@@ -152,14 +193,15 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
     directory = checkpoint_directory(args)
     if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
         return  # Megatron's own load reports a missing checkpoint
-    saved, mine = _saved_state_kinds(directory), _run_state_kinds(optimizer)
-    if saved and mine and saved != mine:
-        raise CheckpointMismatchError(
-            f"--load {args.load}: checkpoint {directory} holds optimizer state "
-            f"{sorted(saved)}, this run's --optimizer {args.optimizer} keeps {sorted(mine)} (saved "
-            "by a run with another --optimizer?). Pass --no-load-optim to load the weights alone, "
-            "or the --optimizer the checkpoint was saved with"
-        )
+    refusal = state_kinds_refusal(
+        _saved_state_kinds(directory),
+        _run_state_kinds(optimizer),
+        args.optimizer,
+        args.load,
+        directory,
+    )
+    if refusal is not None:
+        raise CheckpointMismatchError(refusal)
 
 
 def _checking_optimizer_state_first(load_checkpoint: Any) -> Any:

@@ -24,12 +24,21 @@ method lets it live, calling ``AdaptiveMuon``'s own ``_apply_moment2_normalizati
 update functions, not these) and get plain tensors: local rows (``local_tensor``), the owner's
 full matrix, or the replicated state; never a DTensor whose global shape differs from its rows.
 
-Refused at build time (``ValueError`` naming the setting): tensor parallelism (size > 1 under any
-``tp_mode``: the reference is ``AdaptiveMuon`` on the full matrix; megatron-core's
-``TensorParallelAdaptiveMuon`` normalizes each TP block on its own), params that are not 2-D (as
-``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and a ``min_split_flops``
-other than the default (NS is never split over ranks here: the second moment needs the whole
-matrix on one rank).
+Tensor parallelism (``adamuon`` only): megatron-core's ``TensorParallelAdaptiveMuon`` (fixed by
+``integrations.adaptive_muon_fix``) applies the second moment and Muon's scale to what its
+``orthogonalize`` returns, the TP rank's partition: under tp_mode duplicated / distributed the
+partition of the unsplit matrix's raw NS, under blockwise the partition's own NS, under both scaled
+by the partition's shape (``_apply_muon_scale(update, update.size(-2), update.size(-1))``).
+``ShardedAdaptiveMuon`` computes the same: NS as ``ShardedMuon`` (``TensorParallelMuon``'s
+``orthogonalize`` with the unscaled ``raw_orthogonalize_fn``; layer_sharded is duplicated's update),
+the elementwise second moment on each rank's rows, Muon's scale by the TP partition's shape
+(``partition_shape``). normuon and namo compute their second moment per TP partition in the stock
+class, a state that differs between TP ranks; they are refused at TP size > 1.
+
+Refused at build time (``ValueError`` naming the setting): ``"normuon"`` or ``"namo"`` at
+tensor-parallel size > 1 (above), params that are not 2-D (as ``AdaptiveMuon``), ``"namo"`` with
+L2 weight decay (as ``AdaptiveMuon``), and a ``min_split_flops`` other than the default (NS is
+never split over ranks here: the second moment needs the whole matrix on one rank).
 """
 
 from __future__ import annotations
@@ -42,18 +51,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import check_choice
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import local_tensor
+from megatron_muon.sharded.layout import group_ranks, local_tensor, mesh_axes
 from megatron_muon.sharded.optimizer_plan import OptimizerPlan
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
 from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.tensor_parallel import tp_group
+from megatron_muon.sharded.tensor_parallel import stock_tp_mode, tp_group
 
-__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon"]
+__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon", "partition_shape", "raw_orthogonalize_fn"]
 
 # No matrix's NS is split over ranks: the second moment needs each whole matrix on one rank.
 _NEVER_SPLIT = 2**62
@@ -109,6 +120,39 @@ class AdaptiveMuonConfig:
             raise ValueError(f"adaptive_muon_{error}") from None
 
 
+def raw_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str) -> Any:
+    """``TensorParallelMuon``'s ``scaled_orthogonalize_fn(grad, tp_group, partition_dim)``
+    without Muon's scale (``AdaptiveMuon`` scales after the second moment): ``newton_schulz_tp``
+    called as ``TensorParallelMuon`` calls it (blockwise runs as duplicated on a partition_dim of
+    None). Returns the TP rank's partition ``grad``'s shape, fp32."""
+    mode = "duplicated" if tp_mode in ("blockwise", "layer_sharded") else tp_mode
+
+    def orthogonalize(
+        grad: torch.Tensor, tp_group: Any, partition_dim: int | None = None
+    ) -> torch.Tensor:
+        return newton_schulz_tp(
+            grad,
+            steps=num_ns_steps,
+            coefficient_type=coefficient_type,
+            tp_group=tp_group,
+            partition_dim=partition_dim,
+            tp_mode=mode,
+        )
+
+    return orthogonalize
+
+
+def partition_shape(param: torch.Tensor, dp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rows, cols)`` of the TP rank's partition of ``param``: the shape megatron-core's
+    ``TensorParallelAdaptiveMuon`` scales by. A DTensor's global shape with each tensor-parallel
+    split dim divided by its ranks (Megatron splits evenly); a plain tensor's own shape."""
+    shape = list(param.shape[-2:])
+    if isinstance(param, DTensor):
+        for split in mesh_axes(param, group_ranks(dp_group)).tensor_parallel:
+            shape[split.dim] //= len(split.ranks)
+    return shape[0], shape[1]
+
+
 @dataclass(frozen=True, slots=True)
 class _UnscaledNSConfig(NSConfig):
     """``NSConfig`` whose NS results are not scaled (``AdaptiveMuon`` scales after moment2)."""
@@ -161,7 +205,13 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         self.moment2_method = adaptive.moment2_method
         fsdp = replace(fsdp, min_split_flops=_NEVER_SPLIT)
         super().__init__(params, lr, weight_decay, muon=muon, fsdp=fsdp, **kwargs)
-        self._check_no_tensor_parallelism()
+        self._check_tensor_parallelism()
+        # NS through TensorParallelMuon.orthogonalize (TP-split matrices) unscaled as well.
+        self.scaled_orthogonalize_fn = raw_orthogonalize_fn(
+            self.muon_config.num_ns_steps,
+            self.muon_config.coefficient_type,
+            stock_tp_mode(self.tp_mode),
+        )
         # Muon's scale is applied once, after the second moment (AdaptiveMuon._apply_muon_scale).
         self.scale_mode = self.ns_config.scale_mode
         self.extra_scale_factor = self.ns_config.extra_scale_factor
@@ -173,18 +223,29 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             group.setdefault("eps", adaptive.eps)
         self._namo: dict[torch.Tensor, tuple[torch.Tensor, dict]] = {}
         self._namo_scales: dict[torch.Tensor, torch.Tensor] = {}
+        self._partition_shapes: dict[torch.Tensor, tuple[int, int]] = {}
 
-    def _check_no_tensor_parallelism(self) -> None:
+    def _check_tensor_parallelism(self) -> None:
+        if self.moment2_method == "adamuon":
+            return
         for param in self._all_params():
             group = tp_group(param, self.pg_collection)
             size = dist.get_world_size(group) if group is not None else 1
             if size > 1:
                 raise ValueError(
-                    f"ShardedAdaptiveMuon runs at tensor-parallel size 1 only, got size {size} "
-                    f"(tp_mode={self.tp_mode!r}): its reference is AdaptiveMuon on the full "
-                    "matrix, and the second moment of a TP-split matrix is not computed exactly "
-                    "on its blocks"
+                    f"ShardedAdaptiveMuon: moment2_method={self.moment2_method!r} runs at "
+                    f"tensor-parallel size 1 only, got size {size} (tp_mode={self.tp_mode!r}): "
+                    "megatron-core's TensorParallelAdaptiveMuon computes its second moment per "
+                    "TP partition, a state that differs between TP ranks; use 'adamuon' "
+                    "(elementwise) with tensor parallelism"
                 )
+
+    def _partition_shape(self, param: torch.Tensor) -> tuple[int, int]:
+        """The shape Muon's scale is computed from (``partition_shape``), kept per param."""
+        shape = self._partition_shapes.get(param)
+        if shape is None:
+            shape = self._partition_shapes[param] = partition_shape(param, self.dp_group)
+        return shape
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``ShardedMuon.add_param_group``, refusing params that are not 2-D (``AdaptiveMuon``'s
@@ -241,7 +302,7 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         elif self.moment2_method == "namo":
             update = update * self._namo_scales.pop(param)
         if self.moment2_method != "normuon":
-            update = self._apply_muon_scale(update, param.shape[-2], param.shape[-1])
+            update = self._apply_muon_scale(update, *self._partition_shape(param))
         super()._apply_update(param, group, update)
 
     # ---------------------------------------------------------------------------------------------

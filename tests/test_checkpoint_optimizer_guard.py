@@ -1,0 +1,41 @@
+"""A checkpoint saved with one ``--optimizer`` and loaded with another is refused naming both.
+
+``integrations.checkpoint_guard.state_kinds_refusal`` on the per-param optimizer state keys each
+optimizer's run holds in Megatron-LM's loop under Megatron-FSDP (Muon, adaptive Muon, Lion and
+Adam: the matrices' state beside AdamW's for embeddings, norms and biases). Lion's and Adam's key
+names are the same; they differ per param (Lion's matrices hold ``exp_avg`` alone). The launched
+case (a Muon checkpoint into an Adam run, through ``python -m megatron_muon.pretrain``) is
+tests/test_pretrain_entry.py's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+_ADAM = {"exp_avg", "exp_avg_sq", "step"}
+STATE = {
+    "muon": [{"momentum_buffer"}, _ADAM],
+    "adaptive_muon": [{"momentum_buffer", "moment2_buffer"}, _ADAM],
+    "lion": [{"exp_avg"}, _ADAM],
+    "adam": [_ADAM, _ADAM],
+}
+
+
+@pytest.mark.parametrize("saved, loading", list(itertools.permutations(STATE, 2)))
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(saved: str, loading: str) -> None:
+    from megatron_muon.integrations.checkpoint_guard import state_kinds_refusal
+
+    refusal = state_kinds_refusal(STATE[saved], STATE[loading], loading, "/ckpt", "/ckpt/iter_4")
+    assert refusal is not None, (saved, loading)
+    assert f"(saved by --optimizer {saved})" in refusal, refusal
+    assert f"this run's --optimizer {loading} keeps" in refusal, refusal
+
+
+@pytest.mark.parametrize("optimizer", list(STATE))
+def test_a_checkpoint_of_the_same_optimizer_loads(optimizer: str) -> None:
+    from megatron_muon.integrations.checkpoint_guard import optimizer_of_state, state_kinds_refusal
+
+    assert optimizer_of_state(STATE[optimizer]) == optimizer
+    assert state_kinds_refusal(STATE[optimizer], STATE[optimizer], optimizer, "/c", "/c/i") is None
