@@ -36,6 +36,7 @@ __all__ = [
     "SECTION",
     "Trainer",
     "build_gpt",
+    "gpt_batch",
     "muon_vs_adamw_step",
     "optimizer_config",
     "torch_device",
@@ -117,6 +118,23 @@ def build_gpt(size: GPTSize, device: str, bf16: bool):
     return config, Float16Module(config, model) if bf16 else model
 
 
+def gpt_batch(size: GPTSize, device: str) -> dict[str, torch.Tensor]:
+    """This rank's micro-batch of random tokens (seed 100 + rank) as ``GPTModel`` keywords:
+    ``input_ids``, ``position_ids``, ``attention_mask`` (causal) and ``labels``."""
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    shape = (size.micro_batch, size.seq_length)
+    tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
+    labels = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
+    # Megatron's convention: True = masked out (causal: keys after the query).
+    ones = torch.ones(size.seq_length, size.seq_length, dtype=torch.bool, device=device)
+    return {
+        "input_ids": tokens,
+        "position_ids": torch.arange(size.seq_length, device=device).expand(shape),
+        "attention_mask": torch.triu(ones, diagonal=1)[None, None],
+        "labels": labels,
+    }
+
+
 class Trainer:
     """A wrapped GPTModel, its batch, and one optimizer kind on it."""
 
@@ -148,14 +166,7 @@ class Trainer:
             )
         else:
             self.optimizer = get_megatron_optimizer(settings, [self.wrapped])
-        generator = torch.Generator().manual_seed(100 + dist.get_rank())
-        shape = (size.micro_batch, size.seq_length)
-        self.tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
-        self.labels = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
-        self.positions = torch.arange(size.seq_length, device=device).expand(shape)
-        # Megatron's convention: True = masked out (causal: keys after the query).
-        ones = torch.ones(size.seq_length, size.seq_length, dtype=torch.bool, device=device)
-        self.causal_mask = torch.triu(ones, diagonal=1)[None, None]
+        self.batch = gpt_batch(size, device)
 
     def muon_ns_flops(self) -> int:
         """NS FLOPs of this rank's last step, summed over the factory's ShardedMuon optimizers."""
@@ -170,12 +181,7 @@ class Trainer:
     def forward_backward(self) -> None:
         self.wrapped.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self.wrapped(
-            input_ids=self.tokens,
-            position_ids=self.positions,
-            attention_mask=self.causal_mask,
-            labels=self.labels,
-        )
+        loss = self.wrapped(**self.batch)
         loss.float().mean().backward()
         self.wrapped.finish_grad_sync()
 
