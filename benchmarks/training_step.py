@@ -21,6 +21,7 @@ Section 2 of ``python -m benchmarks`` (``SECTION``); the rank bodies also serve 
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,14 @@ ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slo
 
 def optimizer_config(kind: str, bf16: bool, **overrides):
     """megatron-core ``OptimizerConfig``: Megatron's defaults (Muon's included), clip 1.0, for bf16
-    or fp32 params; ``overrides`` are further ``OptimizerConfig`` fields."""
+    or fp32 params; ``overrides`` are further ``OptimizerConfig`` fields.
+
+    ``kind``: ``"adamw"`` or an optimizer ``build_muon_optimizer`` builds for Megatron-FSDP
+    (``common.options.FsdpOptimizerT``: ``"muon"``, ``"adaptive_muon"``, ...), each with the run's
+    NS precision."""
     from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_muon.common.options import FsdpOptimizerT
 
     common = dict(
         lr=3e-4,
@@ -64,16 +71,17 @@ def optimizer_config(kind: str, bf16: bool, **overrides):
         clip_grad=1.0,
         bf16=bf16,
     )
-    if kind == "muon":
+    if kind in get_args(FsdpOptimizerT):
         from benchmarks.optimizer_step import MUON_KWARGS
 
         prec = MUON_KWARGS["fp32_matmul_prec"]
-        muon = {"optimizer": "muon", "muon_fp32_matmul_prec": prec}
-        return OptimizerConfig(**(common | muon | overrides))
+        emerging = {"optimizer": kind, "muon_fp32_matmul_prec": prec}
+        return OptimizerConfig(**(common | emerging | overrides))
     if kind == "adamw":
         adam = {"optimizer": "adam", "use_distributed_optimizer": True}
         return OptimizerConfig(**(common | adam | overrides))
-    raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+    choices = ("adamw", *get_args(FsdpOptimizerT))
+    raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {choices}")
 
 
 def torch_device(device: str) -> torch.device:
@@ -136,7 +144,8 @@ def gpt_batch(size: GPTSize, device: str) -> dict[str, torch.Tensor]:
 
 
 class Trainer:
-    """A wrapped GPTModel, its batch, and one optimizer kind on it."""
+    """A wrapped GPTModel, its batch, and one optimizer kind on it (``optimizer_config``'s kinds:
+    ``"adamw"`` through megatron-core, the others through ``build_muon_optimizer``)."""
 
     def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
         from megatron.core.distributed import (
@@ -159,7 +168,7 @@ class Trainer:
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
         settings = optimizer_config(kind, bf16=device == "cuda")
-        if kind == "muon":
+        if kind != "adamw":
             # The loop below calls finish_grad_sync itself, as Megatron-LM's loop does.
             self.optimizer = build_muon_optimizer(
                 settings, [self.wrapped], grads_already_synced=True
