@@ -20,7 +20,12 @@ the optimizers compared alternate step by step in the same processes; every time
   ``--peers``, Muon/AdamW over its ideal ratio as tokens grow (``benchmarks.ideal_ratio``). 5.
   Owner step time as the hidden size doubles (``benchmarks.scaling``). The NS rate against the
   matmul rate. 6. Gram vs standard NS (``benchmarks.ns_methods``), batched vs one-by-one NS
-  (``benchmarks.ns_batching``).
+  (``benchmarks.ns_batching``). 9. Every emerging optimizer we run on Megatron-FSDP (muon,
+  adaptive_muon, lion, ...), its optimizer step at DP = 1, 2, 4 on the bench GPT next to
+  megatron-core's own at DP=1 (``benchmarks.fsdp_optimizers``).
+
+``--section KEY`` (repeatable) runs only those sections (each measured one; the derived ones,
+computed from others' figures, need the whole run).
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -43,6 +48,7 @@ import torch
 
 from benchmarks import (
     buckets,
+    fsdp_optimizers,
     headline,
     ideal_ratio,
     memory,
@@ -79,6 +85,7 @@ SECTIONS = (
     owner_vs_gather.SECTION,
     training_step.SECTION,
     stock_comparison.SECTION,
+    fsdp_optimizers.SECTION,
     memory.SECTION,
     ideal_ratio.SECTION,
     scaling.SECTION,
@@ -88,12 +95,13 @@ SECTIONS = (
 )
 
 
-def required_figures(with_peers: bool) -> tuple[str, ...]:
-    """Every figure a run must hold: those of each section it runs (``--peers``: all)."""
+def required_figures(with_peers: bool, only: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every figure a run must hold: those of each section it runs (``--peers``: all; ``only``:
+    the sections of these keys)."""
     return tuple(
         figure
         for section in SECTIONS
-        if with_peers or not section.peers
+        if (with_peers or not section.peers) and (not only or section.key in only)
         for figure in section.figures
     )
 
@@ -108,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the peers, ideal-ratio and overlap sections (make bench runs them after "
         "installing the peers, make bench-peers-deps; about 7 minutes more on 2 CPU cores)",
+    )
+    parser.add_argument(
+        "--section",
+        action="append",
+        default=[],
+        choices=[section.key for section in SECTIONS if not section.derived],
+        help="run only this section (repeatable; e.g. --quick --section fsdp_optimizers)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -125,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_machine(results["machine"], config)
     load_before = os.getloadavg()
     section_seconds: dict[str, float] = {}
+    only = tuple(args.section)
     for section in SECTIONS:
-        if section.peers and not args.peers:
+        if section.key not in only if only else section.peers and not args.peers:
             continue
         if section.derived:
             results[section.key] = section.run(context, results)
@@ -141,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     results["meta"] = _meta(context, time.monotonic() - started, load_before, section_seconds)
-    missing = missing_figures(results, required_figures(args.peers))
+    missing = missing_figures(results, required_figures(args.peers or bool(only), only))
     if missing:
         raise RuntimeError(f"results lack figures: {missing}")
     (context.out_dir / "results.json").write_text(json.dumps(results, indent=2))
