@@ -24,8 +24,9 @@ the optimizers compared alternate step by step in the same processes; every time
   adaptive_muon, lion, ...), its optimizer step at DP = 1, 2, 4 on the bench GPT next to
   megatron-core's own at DP=1 (``benchmarks.fsdp_optimizers``).
 
-``--section KEY`` (repeatable) runs only those sections (each measured one; the derived ones,
-computed from others' figures, need the whole run).
+``--section KEY`` (repeatable) runs only those sections, in the order above; one that reads an
+earlier section's figures needs it named too (``memory`` reads ``optimizer_step``'s), and the
+derived ones (``stock_comparison``, ``matmul_peak``) are not offered: they need the whole run.
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -72,8 +73,10 @@ __all__ = ["SECTIONS", "format_markdown", "format_report", "main", "required_fig
 # The full run's stated time on 2 CPU cores, by the NS precision ``choose_ns_precision`` picks,
 # each measured with nothing else running: bf16 NS about 11 minutes on an Intel Xeon with AMX and
 # 23 min 18 s on an AMD EPYC with avx512_bf16 (2026-11-27, the peers section 852 s of it); fp32
-# NS, where bf16 is emulated, 35 minutes (2-core AMD EPYC, 2026-11-26).
-STATED_MINUTES = {"medium": 25, "highest": 40}
+# NS, where bf16 is emulated, 35 minutes (2-core AMD EPYC, 2026-11-26). Since then the
+# fsdp_optimizers section: 253 s alone on the 2-core AMD EPYC with bf16 NS under a load average of
+# 13-25 (2026-11-27), so about 2 minutes on a quiet machine, twice that with fp32 NS.
+STATED_MINUTES = {"medium": 27, "highest": 44}
 
 # In the order they run and are shown; a section may read the figures of those before it.
 SECTIONS = (
