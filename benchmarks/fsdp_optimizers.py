@@ -120,9 +120,11 @@ def optimizer_steps(
     names: tuple[str, ...],
     warmup: int,
     repeats: int,
+    eager: bool,
 ) -> dict[str, dict]:
     """Rank body: each of ``names`` on the Megatron-FSDP bench GPT at this DP size (and the stock
-    optimizer beside it at DP=1), one after the other.
+    optimizer beside it at DP=1), one after the other; ``eager``: torch.compile'd code (Lion's
+    update) runs uncompiled.
 
     Returns:
         ``{name: {"seconds", "state_bytes", "ours_classes", ...}}``, at DP=1 also
@@ -131,6 +133,14 @@ def optimizer_steps(
     """
     if world_size == 1:
         _install_stock_fixes()
+    stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    with stance:
+        return _optimizer_steps(world_size, device, size, names, warmup, repeats)
+
+
+def _optimizer_steps(
+    world_size: int, device: str, size: GPTSize, names: tuple[str, ...], warmup: int, repeats: int
+) -> dict[str, dict]:
     figures: dict[str, dict] = {}
     for name in names:
         # Without the factory's build summary (rank 0), which would repeat per optimizer and
@@ -189,12 +199,18 @@ def _combine(name: str, by_dp: dict[int, list[dict]]) -> dict:
     return entry
 
 
-def fsdp_optimizers_section(size: GPTSize, device: str, warmup: int, repeats: int) -> dict:
-    """Every ``optimizer_names()`` optimizer at ``DP_SIZES`` (module docstring)."""
+def fsdp_optimizers_section(
+    size: GPTSize, device: str, warmup: int, repeats: int, eager: bool = False
+) -> dict:
+    """Every ``optimizer_names()`` optimizer at ``DP_SIZES`` (module docstring); ``eager``:
+    torch.compile'd code runs uncompiled (``--quick``: compiling Lion's update took 38 s in one
+    process from a cold Inductor cache on a shared 2-core machine, 7 s warm: most of the smoke
+    run's time)."""
     names = optimizer_names()
     load_before = os.getloadavg()
     by_dp = {
-        dp: run_ranks(optimizer_steps, dp, device, size, names, warmup, repeats) for dp in DP_SIZES
+        dp: run_ranks(optimizer_steps, dp, device, size, names, warmup, repeats, eager)
+        for dp in DP_SIZES
     }
     load_after = os.getloadavg()
     by_optimizer, not_built = {}, {}
@@ -214,6 +230,7 @@ def fsdp_optimizers_section(size: GPTSize, device: str, warmup: int, repeats: in
         "strategy": "optim_grads_params",
         "dp_sizes": list(DP_SIZES),
         "optimizers": list(names),
+        "compiled": not eager,
         "by_optimizer": by_optimizer,
         "not_built": not_built,
         "targets": {
@@ -291,7 +308,9 @@ def format_section(section: dict) -> list[str]:
 
 def _run(context: RunContext, results: dict) -> dict:
     config = context.config
-    return fsdp_optimizers_section(config.gpt, context.device, config.warmup, config.repeats)
+    return fsdp_optimizers_section(
+        config.gpt, context.device, config.warmup, config.repeats, eager=context.quick
+    )
 
 
 def _lines(results: dict) -> list[str]:

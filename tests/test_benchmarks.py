@@ -89,7 +89,7 @@ def test_fsdp_optimizers_reports_an_optimizer_it_cannot_build(monkeypatch):
     from benchmarks import fsdp_optimizers
     from benchmarks.config import QUICK
 
-    def fake_launch(fn, world_size, device, size, names, warmup, repeats):
+    def fake_launch(fn, world_size, device, size, names, warmup, repeats, eager):
         ranks = []
         for rank in range(world_size):
             muon = {"seconds": 1.0 / world_size, "state_bytes": 100 + 20 * (rank == 0)}
