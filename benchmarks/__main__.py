@@ -20,7 +20,13 @@ the optimizers compared alternate step by step in the same processes; every time
   ``--peers``, Muon/AdamW over its ideal ratio as tokens grow (``benchmarks.ideal_ratio``). 5.
   Owner step time as the hidden size doubles (``benchmarks.scaling``). The NS rate against the
   matmul rate. 6. Gram vs standard NS (``benchmarks.ns_methods``), batched vs one-by-one NS
-  (``benchmarks.ns_batching``).
+  (``benchmarks.ns_batching``). 9. Every emerging optimizer we run on Megatron-FSDP (muon,
+  adaptive_muon, lion, ...), its optimizer step at DP = 1, 2, 4 on the bench GPT next to
+  megatron-core's own at DP=1 (``benchmarks.fsdp_optimizers``).
+
+``--section KEY`` (repeatable) runs only those sections, in the order above; one that reads an
+earlier section's figures needs it named too (``memory`` reads ``optimizer_step``'s), and the
+derived ones (``stock_comparison``, ``matmul_peak``) are not offered: they need the whole run.
 
 Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and prints a table.
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
@@ -43,6 +49,7 @@ import torch
 
 from benchmarks import (
     buckets,
+    fsdp_optimizers,
     headline,
     ideal_ratio,
     memory,
@@ -66,8 +73,10 @@ __all__ = ["SECTIONS", "format_markdown", "format_report", "main", "required_fig
 # The full run's stated time on 2 CPU cores, by the NS precision ``choose_ns_precision`` picks,
 # each measured with nothing else running: bf16 NS about 11 minutes on an Intel Xeon with AMX and
 # 23 min 18 s on an AMD EPYC with avx512_bf16 (2026-11-27, the peers section 852 s of it); fp32
-# NS, where bf16 is emulated, 35 minutes (2-core AMD EPYC, 2026-11-26).
-STATED_MINUTES = {"medium": 25, "highest": 40}
+# NS, where bf16 is emulated, 35 minutes (2-core AMD EPYC, 2026-11-26). Since then the
+# fsdp_optimizers section: 253 s alone on the 2-core AMD EPYC with bf16 NS under a load average of
+# 13-25 (2026-11-27), so about 2 minutes on a quiet machine, twice that with fp32 NS.
+STATED_MINUTES = {"medium": 27, "highest": 44}
 
 # In the order they run and are shown; a section may read the figures of those before it.
 SECTIONS = (
@@ -79,6 +88,7 @@ SECTIONS = (
     owner_vs_gather.SECTION,
     training_step.SECTION,
     stock_comparison.SECTION,
+    fsdp_optimizers.SECTION,
     memory.SECTION,
     ideal_ratio.SECTION,
     scaling.SECTION,
@@ -88,12 +98,13 @@ SECTIONS = (
 )
 
 
-def required_figures(with_peers: bool) -> tuple[str, ...]:
-    """Every figure a run must hold: those of each section it runs (``--peers``: all)."""
+def required_figures(with_peers: bool, only: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every figure a run must hold: those of each section it runs (``--peers``: all; ``only``:
+    the sections of these keys)."""
     return tuple(
         figure
         for section in SECTIONS
-        if with_peers or not section.peers
+        if (with_peers or not section.peers) and (not only or section.key in only)
         for figure in section.figures
     )
 
@@ -108,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also the peers, ideal-ratio and overlap sections (make bench runs them after "
         "installing the peers, make bench-peers-deps; about 7 minutes more on 2 CPU cores)",
+    )
+    parser.add_argument(
+        "--section",
+        action="append",
+        default=[],
+        choices=[section.key for section in SECTIONS if not section.derived],
+        help="run only this section (repeatable; e.g. --quick --section fsdp_optimizers)",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -125,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     _print_machine(results["machine"], config)
     load_before = os.getloadavg()
     section_seconds: dict[str, float] = {}
+    only = tuple(args.section)
     for section in SECTIONS:
-        if section.peers and not args.peers:
+        if section.key not in only if only else section.peers and not args.peers:
             continue
         if section.derived:
             results[section.key] = section.run(context, results)
@@ -141,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     results["meta"] = _meta(context, time.monotonic() - started, load_before, section_seconds)
-    missing = missing_figures(results, required_figures(args.peers))
+    missing = missing_figures(results, required_figures(args.peers or bool(only), only))
     if missing:
         raise RuntimeError(f"results lack figures: {missing}")
     (context.out_dir / "results.json").write_text(json.dumps(results, indent=2))

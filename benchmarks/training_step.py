@@ -21,6 +21,7 @@ Section 2 of ``python -m benchmarks`` (``SECTION``); the rank bodies also serve 
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import get_args
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ __all__ = [
     "SECTION",
     "Trainer",
     "build_gpt",
+    "gpt_batch",
     "muon_vs_adamw_step",
     "optimizer_config",
     "torch_device",
@@ -50,8 +52,14 @@ ANCHOR = "Megatron-LM PR #4486 (Muon on Megatron-FSDP): Muon steps 1.5x-2.7x slo
 
 def optimizer_config(kind: str, bf16: bool, **overrides):
     """megatron-core ``OptimizerConfig``: Megatron's defaults (Muon's included), clip 1.0, for bf16
-    or fp32 params; ``overrides`` are further ``OptimizerConfig`` fields."""
+    or fp32 params; ``overrides`` are further ``OptimizerConfig`` fields.
+
+    ``kind``: ``"adamw"`` or an optimizer ``build_muon_optimizer`` builds for Megatron-FSDP
+    (``common.options.FsdpOptimizerT``: ``"muon"``, ``"adaptive_muon"``, ...), each with the run's
+    NS precision."""
     from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_muon.common.options import FsdpOptimizerT
 
     common = dict(
         lr=3e-4,
@@ -63,16 +71,17 @@ def optimizer_config(kind: str, bf16: bool, **overrides):
         clip_grad=1.0,
         bf16=bf16,
     )
-    if kind == "muon":
+    if kind in get_args(FsdpOptimizerT):
         from benchmarks.optimizer_step import MUON_KWARGS
 
         prec = MUON_KWARGS["fp32_matmul_prec"]
-        muon = {"optimizer": "muon", "muon_fp32_matmul_prec": prec}
-        return OptimizerConfig(**(common | muon | overrides))
+        emerging = {"optimizer": kind, "muon_fp32_matmul_prec": prec}
+        return OptimizerConfig(**(common | emerging | overrides))
     if kind == "adamw":
         adam = {"optimizer": "adam", "use_distributed_optimizer": True}
         return OptimizerConfig(**(common | adam | overrides))
-    raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {KINDS}")
+    choices = ("adamw", *get_args(FsdpOptimizerT))
+    raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {choices}")
 
 
 def torch_device(device: str) -> torch.device:
@@ -117,8 +126,26 @@ def build_gpt(size: GPTSize, device: str, bf16: bool):
     return config, Float16Module(config, model) if bf16 else model
 
 
+def gpt_batch(size: GPTSize, device: str) -> dict[str, torch.Tensor]:
+    """This rank's micro-batch of random tokens (seed 100 + rank) as ``GPTModel`` keywords:
+    ``input_ids``, ``position_ids``, ``attention_mask`` (causal) and ``labels``."""
+    generator = torch.Generator().manual_seed(100 + dist.get_rank())
+    shape = (size.micro_batch, size.seq_length)
+    tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
+    labels = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
+    # Megatron's convention: True = masked out (causal: keys after the query).
+    ones = torch.ones(size.seq_length, size.seq_length, dtype=torch.bool, device=device)
+    return {
+        "input_ids": tokens,
+        "position_ids": torch.arange(size.seq_length, device=device).expand(shape),
+        "attention_mask": torch.triu(ones, diagonal=1)[None, None],
+        "labels": labels,
+    }
+
+
 class Trainer:
-    """A wrapped GPTModel, its batch, and one optimizer kind on it."""
+    """A wrapped GPTModel, its batch, and one optimizer kind on it (``optimizer_config``'s kinds:
+    ``"adamw"`` through megatron-core, the others through ``build_muon_optimizer``)."""
 
     def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
         from megatron.core.distributed import (
@@ -141,21 +168,14 @@ class Trainer:
         )
         # Both factories are built right after wrapping, from the Megatron-FSDP optimizer params.
         settings = optimizer_config(kind, bf16=device == "cuda")
-        if kind == "muon":
+        if kind != "adamw":
             # The loop below calls finish_grad_sync itself, as Megatron-LM's loop does.
             self.optimizer = build_muon_optimizer(
                 settings, [self.wrapped], grads_already_synced=True
             )
         else:
             self.optimizer = get_megatron_optimizer(settings, [self.wrapped])
-        generator = torch.Generator().manual_seed(100 + dist.get_rank())
-        shape = (size.micro_batch, size.seq_length)
-        self.tokens = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
-        self.labels = torch.randint(0, size.vocab_size, shape, generator=generator).to(device)
-        self.positions = torch.arange(size.seq_length, device=device).expand(shape)
-        # Megatron's convention: True = masked out (causal: keys after the query).
-        ones = torch.ones(size.seq_length, size.seq_length, dtype=torch.bool, device=device)
-        self.causal_mask = torch.triu(ones, diagonal=1)[None, None]
+        self.batch = gpt_batch(size, device)
 
     def muon_ns_flops(self) -> int:
         """NS FLOPs of this rank's last step, summed over the factory's ShardedMuon optimizers."""
@@ -170,12 +190,7 @@ class Trainer:
     def forward_backward(self) -> None:
         self.wrapped.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self.wrapped(
-            input_ids=self.tokens,
-            position_ids=self.positions,
-            attention_mask=self.causal_mask,
-            labels=self.labels,
-        )
+        loss = self.wrapped(**self.batch)
         loss.float().mean().backward()
         self.wrapped.finish_grad_sync()
 
