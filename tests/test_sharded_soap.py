@@ -5,7 +5,9 @@ None``) and ``SOAP`` on the full params side by side, three steps with fresh gra
 refreshes the eigenbases by ``eigh``, the later ones by QR), with and without KL-Shampoo. The owner
 assembles the same fp32 gradient and runs SOAP's own per-matrix functions on it, so params and every
 state tensor (gathered from their owners) are bitwise the reference's. The one-rank case runs in
-this process, without torch.distributed.
+this process, without torch.distributed. Both run eager (``EAGER``), as the torchrun launches of
+tests/torchrun.py do (``TORCHDYNAMO_DISABLE``): compiling emerging-optimizers' Adam update for each
+shape costs ~15 s a process on 2 cores, and the same functions run either way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ SPLITS_3 = [[8, 0, 16], [2, 3, 3], [4, 4, 5]]
 KWARGS = dict(lr=0.01, betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, weight_decay=0.1)
 STEPS = 3
 KEYS = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
+
+
+def EAGER():  # noqa: N802  (a context, named like the constant it stands for)
+    """torch.compile off (emerging-optimizers' compiled update functions run eager)."""
+    return torch._dynamo.config.patch(disable=True)
 
 
 def _reference(fulls: list[torch.Tensor], use_kl_shampoo: bool):
@@ -55,6 +62,11 @@ def _differences(params, optimizer, reference_params, reference, starts) -> list
 
 
 def _run(rank: int, world_size: int) -> dict:
+    with EAGER():
+        return _run_eager(rank, world_size)
+
+
+def _run_eager(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon.sharded.sharded_soap import ShardedSOAP
@@ -64,11 +76,15 @@ def _run(rank: int, world_size: int) -> dict:
     fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
     results = {}
     for use_kl_shampoo in (True, False):
-        params = [sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, SPLITS_3)]
+        params = [
+            sharded_param(f, rows, rank, mesh) for f, rows in zip(fulls, SPLITS_3, strict=True)
+        ]
         reference_params, reference = _reference(fulls, use_kl_shampoo)
         optimizer = ShardedSOAP(params, use_kl_shampoo=use_kl_shampoo, **KWARGS)
         for step in range(STEPS):
-            for p, ref, rows, grad in zip(params, reference_params, SPLITS_3, _grads(step)):
+            for p, ref, rows, grad in zip(
+                params, reference_params, SPLITS_3, _grads(step), strict=True
+            ):
                 ref.grad = grad.clone()
                 set_sharded_grad(p, grad, rows, rank, none_if_empty=True)
             optimizer.step()
@@ -89,11 +105,12 @@ def test_one_rank_without_torch_distributed_is_bitwise_soap() -> None:
         params = [torch.nn.Parameter(f.clone()) for f in fulls]
         reference_params, reference = _reference(fulls, use_kl_shampoo)
         optimizer = ShardedSOAP(params, use_kl_shampoo=use_kl_shampoo, **KWARGS)
-        for step in range(STEPS):
-            for p, ref, grad in zip(params, reference_params, _grads(step), strict=True):
-                ref.grad, p.grad = grad.clone(), grad.clone()
-            optimizer.step()
-            reference.step()
+        with EAGER():
+            for step in range(STEPS):
+                for p, ref, grad in zip(params, reference_params, _grads(step), strict=True):
+                    ref.grad, p.grad = grad.clone(), grad.clone()
+                optimizer.step()
+                reference.step()
         starts = [0] * len(params)
         assert _differences(params, optimizer, reference_params, reference, starts) == []
 
