@@ -54,7 +54,7 @@ from megatron_muon.fsdp.process_groups import (
     row_group,
     strategy_name,
 )
-from megatron_muon.fsdp.qk_clip import QKClip, QKClipConfig, find_attentions
+from megatron_muon.fsdp.qk_clip import QKClipConfig, build_qk_clip
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
@@ -172,7 +172,7 @@ def build_muon_optimizer(
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
 
-    clip = _qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
+    clip = build_qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
     if clip is not None:
         summary.append(
             f"megatron-muon QK-clip: threshold {clip.threshold:g} on "
@@ -337,32 +337,6 @@ def _muon_optimizer(
         f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
-
-
-def _qk_clip(
-    config: QKClipConfig | None,
-    chunks: list[torch.nn.Module],
-    pg_collection: ProcessGroupCollection | None,
-    fsdp_modules: list[Any],
-) -> QKClip | None:
-    """MuonClip's ``QKClip`` for ``config``, or None without one.
-
-    Built now, while every clipped weight (``linear_qkv``; MLA's query and kv up-projections) is
-    the DTensor row shard the optimizer updates (a forward swaps in the compute weights); max
-    logits are all-reduced over the dense data-parallel group (``dp_cp``), whose ranks see
-    different tokens; the clipped-head count is summed over ``tp``.
-    """
-    if config is None:
-        return None
-    attentions = find_attentions(chunks)
-    if not attentions:
-        raise ValueError(
-            f"QK-clip threshold {config.threshold} but the model has no megatron-core "
-            "SelfAttention or MultiLatentAttention layer to clip"
-        )
-    group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
-    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)
 
 
 def _wrap(
