@@ -43,7 +43,7 @@ MegatronMatmulPrecT = Literal["low", "medium", "high"]
 MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
 # (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
-FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion"]
+FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap"]
 
 
 def check_choice(name: str, value: Any, alias: Any) -> None:

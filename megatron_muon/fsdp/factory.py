@@ -1,7 +1,7 @@
-"""``build_muon_optimizer``: Muon + AdamW (or Lion), or Lion alone, for Megatron-FSDP chunks.
+"""``build_muon_optimizer``: Muon, adaptive Muon, Lion or SOAP (+ AdamW/Lion) for Megatron-FSDP.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` (or
-``"lion"``, the values of ``common.options.FsdpOptimizerT``) meets Megatron-FSDP (alias
+another value of ``common.options.FsdpOptimizerT``) meets Megatron-FSDP (alias
 ``get_megatron_muon_optimizer``, same signature). It returns the final optimizer: an
 ``FsdpStepWrapper`` (or, for Megatron-LM's ``fsdp_dtensor`` checkpoints, its subclass
 ``MegatronCheckpointedOptimizer``) with the routing, the build summary and QK-clip, around an
@@ -14,7 +14,9 @@ What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimiz
 or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its Lion
 (``lion_beta1``/``lion_beta2``) for the matrices Muon would take, AdamW for the rest. Lion's
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
-of a param steps nothing there; its state exists all the same).
+of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
+``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
+the rest.
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -66,6 +68,7 @@ from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.sharded_soap import ShardedSOAP
 from megatron_muon.sharded.tensor_parallel import check_param_meshes
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
@@ -77,10 +80,11 @@ CkptFormatT = Literal["fsdp_dtensor"]
 # None for an elementwise one: megatron-core's own class (its standard path, the one
 # ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
 # element: decoupled decay, the sign of an interpolation of momentum and grad).
-_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | None] = {
+_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | type[ShardedSOAP] | None] = {
     "muon": ShardedMuon,
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
+    "soap": ShardedSOAP,
 }
 assert set(_MATRIX_OPTIMIZERS) == set(get_args(FsdpOptimizerT)), "a builder per FsdpOptimizerT"
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
@@ -158,7 +162,8 @@ def build_muon_optimizer(
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)
     # Muon's flags are read (and checked) only where Muon is built.
-    with_muon = _MATRIX_OPTIMIZERS[config.optimizer] is not None
+    matrix_class = _MATRIX_OPTIMIZERS[config.optimizer]
+    with_muon = matrix_class is not None and issubclass(matrix_class, ShardedMuon)
     muon_config = MuonConfig.from_optimizer_config(config) if with_muon else None
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
@@ -253,15 +258,16 @@ def _sub_optimizers(
 ) -> tuple[list[MegatronOptimizer], list[str]]:
     """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries.
 
-    ``muon_config`` None: an elementwise matrix optimizer (``routing.matrix_optimizer``, Lion):
-    megatron-core's own class over the dense and expert matrices' row shards together.
+    ``muon_config`` None: SOAP (``ShardedSOAP``, dense and expert apart, as Muon), or an
+    elementwise matrix optimizer (``routing.matrix_optimizer``, Lion): megatron-core's own class
+    over the dense and expert matrices' row shards together.
     """
     by_target = param_groups_by_optimizer(chunks, config, routing)
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
     strategy = strategy_name(fsdp_modules)
     names = [routing.scalar_optimizer]
-    if muon_config is None:
+    if _MATRIX_OPTIMIZERS[config.optimizer] is None:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))
@@ -281,6 +287,13 @@ def _sub_optimizers(
                 f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
                 f"tp_mode {muon_config.tp_mode}"
             )
+        elif groups and _MATRIX_OPTIMIZERS[config.optimizer] is ShardedSOAP:
+            dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
+            soap = ShardedSOAP.from_optimizer_config(groups, config, dp_group)
+            optimizers.append(_wrap(soap, config, _eopt_init_state_fn, pg_collection))
+            where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
+            kind = "expert" if is_expert else "dense"
+            summary.append(f"megatron-muon SOAP[{kind}]: {_count(groups)} over {where}")
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:
@@ -311,7 +324,7 @@ def _muon_optimizer(
     tp_mode = muon_config.tp_mode
     check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
     optimizer_class = _MATRIX_OPTIMIZERS[config.optimizer]
-    assert optimizer_class is not None, "Muon params only in a Muon run (_sub_optimizers)"
+    assert optimizer_class is not None and issubclass(optimizer_class, ShardedMuon), "Muon runs"
     # The matrix optimizer's own settings beyond Muon's, from ``OptimizerConfig``.
     extra: dict[str, Any] = {}
     if optimizer_class is ShardedAdaptiveMuon:

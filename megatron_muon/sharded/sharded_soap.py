@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from emerging_optimizers.soap.soap import SOAP
+from megatron.core.optimizer.emerging_optimizers import _default_adam_based_eopt_config_to_kwargs
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import ParamsT
 
@@ -60,7 +61,12 @@ from megatron_muon.sharded.layout import (
     local_tensor,
     mesh_axes,
 )
-from megatron_muon.sharded.soap_matrix import TENSOR_KEYS, init_matrix_state, soap_matrix_update
+from megatron_muon.sharded.soap_matrix import (
+    TENSOR_KEYS,
+    SoapConfig,
+    init_matrix_state,
+    soap_matrix_update,
+)
 from megatron_muon.sharded.soap_plan import SoapOwnerPlan, plan_soap_owners
 from megatron_muon.sharded.soap_state import owner_held_dtensor
 from megatron_muon.sharded.step_plan import WorkBlock
@@ -115,7 +121,8 @@ class ShardedSOAP(SOAP):
         self.layouts: list[RowLayout] = gather_row_layouts(params_list, dp_group)
         # Matrices some rank does not hold whole get an owner; the rest are stepped everywhere.
         self.owned = [i for i, layout in enumerate(self.layouts) if not _whole_everywhere(layout)]
-        self.plan = plan_soap_owners([self.layouts[i].shape for i in self.owned], self.num_ranks)
+        self.shapes = [(layout.num_rows, layout.row_shape[0]) for layout in self.layouts]
+        self.plan = plan_soap_owners([self.shapes[i] for i in self.owned], self.num_ranks)
         self.owners = {i: self.plan.owners[k] for k, i in enumerate(self.owned)}
         for i in self.owned:
             _check_owned_param(i, params_list[i])
@@ -124,6 +131,23 @@ class ShardedSOAP(SOAP):
         self.exchange_stats = ExchangeStats()
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
+
+    @classmethod
+    def from_optimizer_config(
+        cls, param_groups: ParamsT, config: Any, dp_group: dist.ProcessGroup | None
+    ) -> ShardedSOAP:
+        """megatron-core's ``--optimizer soap`` from its ``OptimizerConfig``, on ``dp_group``.
+
+        The keywords are those megatron-core's emerging-optimizer registry gives ``SOAP``
+        (``_default_adam_based_eopt_config_to_kwargs``: ``lr``, ``weight_decay``,
+        ``shampoo_beta``/``use_kl_shampoo`` from ``soap_*``, ``betas`` from ``adam_beta1/2``).
+
+        Raises:
+            ValueError: a ``soap_*`` value ``SoapConfig`` refuses (naming the field).
+        """
+        SoapConfig.from_optimizer_config(config)
+        kwargs = _default_adam_based_eopt_config_to_kwargs("soap", config, None, None)
+        return cls(param_groups, dp_group=dp_group, **kwargs)
 
     def owner_plan(self) -> SoapOwnerPlan:
         """The owner of each row-sharded matrix (in param order) and each rank's loads."""
@@ -142,7 +166,7 @@ class ShardedSOAP(SOAP):
             if state:
                 continue
             i = index[id(param)]
-            shape = self.layouts[i].shape
+            shape = self.shapes[i]
             owner = self.owners.get(i)
             whole = owner is None or owner == self.rank
             device = local_tensor(param).device
@@ -179,7 +203,7 @@ class ShardedSOAP(SOAP):
         owned = set(self.owned)
         for i, param in enumerate(params):
             if active[i] and i not in owned:  # whole on every rank: stepped here
-                grad = local_tensor(param.grad).to(torch.float32)
+                grad = self._grad_rows(param, self.layouts[i])
                 self._apply(param, groups[i], self._update(i, param, grad, groups[i]))
         for bucket in self.buckets:
             bucket = tuple(i for i in bucket if active[i])
@@ -229,7 +253,7 @@ class ShardedSOAP(SOAP):
         state = self.state[param]
         local = {key: local_tensor(value) for key, value in state.items()}
         update = soap_matrix_update(self, local, grad, group)
-        shapes = _global_shapes(self.layouts[i].shape)
+        shapes = _global_shapes(self.shapes[i])
         for key in TENSOR_KEYS:
             if local[key] is local_tensor(state[key]):
                 continue
@@ -265,7 +289,7 @@ def _whole_everywhere(layout: RowLayout) -> bool:
     return all(interval == (0, layout.num_rows) for interval in layout.ranges)
 
 
-def _global_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+def _global_shapes(shape: tuple[int, int]) -> dict[str, tuple[int, int]]:
     m, n = shape
     return {
         "exp_avg": (m, n),

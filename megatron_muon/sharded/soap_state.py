@@ -30,7 +30,12 @@ def owner_held_dtensor(
     assert tuple(local.shape) == (tuple(global_shape) if is_owner else (0, *global_shape[1:]))
     stride = torch.empty(global_shape, device="meta").stride()
     value = DTensor.from_local(
-        local, param.device_mesh, [Shard(0)], run_check=False, shape=global_shape, stride=stride
+        local,
+        param.device_mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=stride,
     )
     setattr(value, _MARK, True)
     return value
