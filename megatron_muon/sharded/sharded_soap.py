@@ -23,10 +23,11 @@ so the result is stock ``SOAP.step``'s on the full tensors up to the gradient's 
 order.
 
 **State layout and checkpoints.** ``state[p]`` holds SOAP's keys (``soap_matrix.STATE_KEYS``). Where
-``p`` is row-sharded, every state tensor is a DTensor on ``p``'s 1-D data-parallel mesh with
-placement ``Shard(0)`` and its own global shape (``(m, n)``, ``(m, m)``, ``(n, n)``), sharded
+``p`` is row-sharded, every state tensor is a DTensor on ``p``'s mesh with placement ``Shard(0)``
+on its data-parallel axis and its own global shape (``(m, n)``, ``(m, m)``, ``(n, n)``), sharded
 **unevenly**: the owner's local tensor is the whole tensor, every other rank's has 0 rows. Each
-DTensor carries its chunk (the owner: all of it at offset 0; the others: nothing), so DCP (and
+DTensor's chunk is known locally (``soap_state``: the owner all of it at offset 0, the others
+nothing), so DCP (and
 megatron_fsdp's uneven-DTensor preprocessing, whose offsets come out the same) writes each tensor
 once, from its owner, under the param's name, as a plain global tensor. Loaded at another DP size,
 the new plan's owner reads the whole tensor and the others read nothing: a checkpoint reloads at any
@@ -35,9 +36,9 @@ tensors are laid out like ``p`` (a ``Replicate`` DTensor, a 1-rank mesh's ``Shar
 tensor), whole on every rank. ``step`` is a Python int, the same on every rank.
 
 Refused at build time (``ValueError`` naming it): a param that is not a real 2-D matrix (as SOAP),
-tensor parallelism (a tensor-parallel mesh axis), a row-sharded param whose data-parallel mesh is
-not 1-D (HSDP), ``weight_decay_method="l2"`` (it adds the whole weight to the gradient on the
-owner), CUDA ``stream_list``.
+tensor parallelism (a tensor-parallel mesh axis), a row-sharded param with more than one
+data-parallel mesh axis (HSDP), ``weight_decay_method="l2"`` (it adds the whole weight to the
+gradient on the owner), CUDA ``stream_list``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.soap.soap import SOAP
 from megatron.core.optimizer.emerging_optimizers import _default_adam_based_eopt_config_to_kwargs
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE, ExchangeStats, OwnerExchange
@@ -68,7 +69,7 @@ from megatron_muon.sharded.soap_matrix import (
     soap_matrix_update,
 )
 from megatron_muon.sharded.soap_plan import SoapOwnerPlan, plan_soap_owners
-from megatron_muon.sharded.soap_state import owner_held_dtensor
+from megatron_muon.sharded.soap_state import owner_held_dtensor, whole_dtensor
 from megatron_muon.sharded.step_plan import WorkBlock
 
 __all__ = ["ShardedSOAP"]
@@ -124,8 +125,8 @@ class ShardedSOAP(SOAP):
         self.shapes = [(layout.num_rows, layout.row_shape[0]) for layout in self.layouts]
         self.plan = plan_soap_owners([self.shapes[i] for i in self.owned], self.num_ranks)
         self.owners = {i: self.plan.owners[k] for k, i in enumerate(self.owned)}
-        for i in self.owned:
-            _check_owned_param(i, params_list[i])
+        # The data-parallel mesh axis of each row-sharded param (its owner-held state's Shard(0)).
+        self.axes = {i: _row_axis(i, params_list[i], dp_group) for i in self.owned}
         self.buckets = _owner_rounds(self.owned, self.owners)
         self._exchanges: dict[tuple[int, ...], OwnerExchange] = {}
         self.exchange_stats = ExchangeStats()
@@ -182,12 +183,10 @@ class ShardedSOAP(SOAP):
             for key in TENSOR_KEYS:
                 if owner is not None:
                     values[key] = owner_held_dtensor(
-                        values[key], param, global_shapes[key], owner == self.rank
+                        values[key], param, self.axes[i], global_shapes[key], owner == self.rank
                     )
                 elif isinstance(param, DTensor):
-                    values[key] = DTensor.from_local(
-                        values[key], param.device_mesh, param.placements, run_check=False
-                    )
+                    values[key] = whole_dtensor(values[key], param)
             state.update(values)
 
     @torch.no_grad()
@@ -258,11 +257,9 @@ class ShardedSOAP(SOAP):
             if local[key] is local_tensor(state[key]):
                 continue
             if i in self.owners:
-                state[key] = owner_held_dtensor(local[key], param, shapes[key], True)
+                state[key] = owner_held_dtensor(local[key], param, self.axes[i], shapes[key], True)
             elif isinstance(param, DTensor):
-                state[key] = DTensor.from_local(
-                    local[key], param.device_mesh, param.placements, run_check=False
-                )
+                state[key] = whole_dtensor(local[key], param)
             else:
                 state[key] = local[key]
         return update
@@ -322,16 +319,14 @@ def _check_param(index: int, param: torch.Tensor, dp_group: dist.ProcessGroup | 
         )
 
 
-def _check_owned_param(index: int, param: torch.Tensor) -> None:
-    if not (
-        isinstance(param, DTensor)
-        and param.device_mesh.ndim == 1
-        and isinstance(param.placements[0], Shard)
-        and param.placements[0].dim == 0
-    ):
+def _row_axis(index: int, param: torch.Tensor, dp_group: dist.ProcessGroup | None) -> int:
+    """The one mesh axis ``param``'s rows are sharded over (``Shard(0)``, ``dp_group``)."""
+    axes = mesh_axes(param, group_ranks(dp_group)) if isinstance(param, DTensor) else None
+    if axes is None or len(axes.data_parallel) != 1:
         placements = param.placements if isinstance(param, DTensor) else "plain tensor"
         raise ValueError(
             f"ShardedSOAP: param {index} of shape {tuple(param.shape)} is row-sharded with "
-            f"placements {placements}; ShardedSOAP keeps owner state on a 1-D data-parallel mesh "
-            "with Shard(0) (HSDP is not supported)"
+            f"placements {placements}; ShardedSOAP keeps owner state on one data-parallel mesh "
+            "axis with Shard(0) (HSDP is not supported)"
         )
+    return axes.data_parallel[0]
