@@ -22,7 +22,6 @@ Checked here:
   after 5 steps within ``gpt_parity.FLOOR_FACTOR`` of the reduction-order floor of the unsharded
   emerging-optimizers ``Lion`` + torch ``AdamW`` (measured in the same launch), losses and grad
   norms to 1e-5; some Lion params have no rows on one rank (empty shards).
-- ``--optimizer soap`` with ``--use-megatron-fsdp`` is refused by name.
 """
 
 from __future__ import annotations
@@ -190,14 +189,10 @@ def _validated(monkeypatch: pytest.MonkeyPatch, flags: str) -> argparse.Namespac
     return arguments.validate_args(arguments.parse_args())
 
 
-def test_validate_args_accepts_lion_and_refuses_soap_by_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_validate_args_accepts_lion_with_megatron_fsdp(monkeypatch: pytest.MonkeyPatch) -> None:
     args = _validated(monkeypatch, "--optimizer lion")
     assert args.optimizer == "lion" and args.use_megatron_fsdp
     assert not args.use_layer_wise_distributed_optimizer
-    with pytest.raises(ValueError, match="--optimizer soap with --use-megatron-fsdp is not"):
-        _validated(monkeypatch, "--optimizer soap")
 
 
 def test_stock_lion_reads_the_lion_betas_after_install() -> None:
