@@ -93,6 +93,8 @@ def _run_eager(rank: int, world_size: int) -> dict:
             "differences": _differences(params, optimizer, reference_params, reference, starts),
             "owners": optimizer.owner_plan().owners,
             "owned": [bool(optimizer.state[p]["L"].to_local().shape[0]) for p in params],
+            "state_bytes": optimizer.local_state_bytes(),
+            "planned_bytes": optimizer.owner_plan().state_bytes[rank],
         }
     return results
 
@@ -123,6 +125,7 @@ def test_uneven_and_empty_row_shards_are_bitwise_soap_on_full_matrices() -> None
             assert result["differences"] == [], (rank, case, result["differences"])
             # The state lives on the plan's owner alone.
             assert result["owned"] == [owner == rank for owner in result["owners"]], (rank, case)
+            assert result["state_bytes"] == result["planned_bytes"], (rank, case)
 
 
 def test_owner_plan_balances_state_bytes_and_is_a_function_of_shapes() -> None:
@@ -150,3 +153,13 @@ def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
         SoapConfig(precondition_frequency=10)
     with pytest.raises(ValueError, match="shampoo_beta must be in"):
         SoapConfig(shampoo_beta=1.0)
+    # What the factory builds from megatron-core's OptimizerConfig: refused naming the field.
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(optimizer="soap", lr=0.1, soap_precondition_frequency=5)
+    with pytest.raises(ValueError, match="soap_precondition_frequency must be 1, got 5"):
+        ShardedSOAP.from_optimizer_config(matrix, config, None)
+    built = ShardedSOAP.from_optimizer_config(
+        matrix, OptimizerConfig(optimizer="soap", lr=0.1), None
+    )
+    assert (built.use_kl_shampoo, built.param_groups[0]["shampoo_beta"]) == (True, 0.95)

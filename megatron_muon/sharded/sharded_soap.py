@@ -154,6 +154,12 @@ class ShardedSOAP(SOAP):
         """The owner of each row-sharded matrix (in param order) and each rank's loads."""
         return self.plan
 
+    def local_state_bytes(self) -> int:
+        """Bytes of SOAP state this rank holds: its owned matrices' (``owner_plan().state_bytes``
+        of this rank) and those of the matrices every rank holds whole."""
+        tensors = [local_tensor(v) for s in self.state.values() for v in s.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
     def _all_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
