@@ -17,7 +17,7 @@ update there. Measured: the same reference with its batch gradient accumulated i
 With the same gradients, SOAP's arithmetic is the same on the owner as in the reference: the SOAP
 params are bitwise the reference's at every strategy; the AdamW params (megatron-core's foreach
 AdamW against torch's per-tensor loop) within 1e-6 relative. Both run eager
-(``tests.test_sharded_soap.EAGER``).
+(``tests.soap_reference.EAGER``).
 """
 
 from __future__ import annotations
@@ -29,43 +29,10 @@ from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import PARITY_STEPS
 from tests.gpt_parity import SEQ, Run
-from tests.test_sharded_soap import EAGER
+from tests.soap_reference import EAGER, SHAMPOO_BETA, SoapReference
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 RUNS = [Run("mcore", strategy) for strategy in STRATEGIES]
-SHAMPOO_BETA = 0.9
-
-
-class SoapReference(gpt_parity.Reference):
-    """megatron-core's soap on full tensors: SOAP (hidden matrices) + AdamW (the rest)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        from emerging_optimizers.soap import SOAP
-
-        self.model = model
-        named = list(model.named_parameters())
-        matrices = [p for n, p in named if gpt_parity.reference_routes_to_muon(n, p)]
-        decayed = [p for n, p in named if not gpt_parity.reference_routes_to_muon(n, p)]
-        undecayed = [p for p in decayed if p.ndim < 2]
-        decayed = [p for p in decayed if p.ndim >= 2]
-        soap = SOAP(
-            matrices,
-            lr=gpt_parity.LR,
-            betas=gpt_parity.BETAS,
-            shampoo_beta=SHAMPOO_BETA,
-            weight_decay=gpt_parity.WEIGHT_DECAY,
-            use_kl_shampoo=True,
-        )
-        adamw = torch.optim.AdamW(
-            [
-                {"params": decayed, "weight_decay": gpt_parity.WEIGHT_DECAY},
-                {"params": undecayed, "weight_decay": 0.0},
-            ],
-            lr=gpt_parity.LR,
-            betas=gpt_parity.BETAS,
-            eps=gpt_parity.EPS,
-        )
-        self.optimizers: list[torch.optim.Optimizer] = [soap, adamw]
 
 
 def _rows(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:

@@ -18,6 +18,7 @@ import torch
 from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import full_tensor
 from tests.row_split_parity import offsets, set_sharded_grad, sharded_param
+from tests.soap_reference import EAGER
 
 # Tall, wide, odd sizes; with 3 ranks the middle rank holds nothing of the first.
 SHAPES = [(24, 8), (8, 20), (13, 7)]
@@ -25,11 +26,6 @@ SPLITS_3 = [[8, 0, 16], [2, 3, 3], [4, 4, 5]]
 KWARGS = dict(lr=0.01, betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, weight_decay=0.1)
 STEPS = 3
 KEYS = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
-
-
-def EAGER():  # noqa: N802  (a context, named like the constant it stands for)
-    """torch.compile off (emerging-optimizers' compiled update functions run eager)."""
-    return torch._dynamo.config.patch(disable=True)
 
 
 def _reference(fulls: list[torch.Tensor], use_kl_shampoo: bool):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import DIM, WarmupScheduler, full_snapshot, train
-from tests.test_sharded_soap import EAGER
+from tests.soap_reference import EAGER
 
 pytestmark = pytest.mark.multirank
 
