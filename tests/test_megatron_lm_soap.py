@@ -1,23 +1,22 @@
-"""``--optimizer soap`` in Megatron-LM's own loop, with and without Megatron-FSDP.
+"""``--optimizer soap --use-megatron-fsdp`` in Megatron-LM's own loop.
 
 In process: ``validate_args`` accepts ``--optimizer soap --use-megatron-fsdp`` and the
 ``--soap-*`` flags (megatron-core's ``OptimizerConfig.soap_*``, which Megatron-LM's parser lacks),
 and refuses a ``--soap-precondition-frequency`` that SOAP would ignore, naming it.
 
-Launched: the reference is megatron-core's own soap (emerging-optimizers' ``SOAP`` + Adam, its
-registry's keywords) on one rank without Megatron-FSDP; ours is ``ShardedSOAP`` + AdamW under
-``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2. The first iteration's loss and grad
-norm agree to the printed digits; later ones are not compared: SOAP's update amplifies a
+Launched: ``ShardedSOAP`` + AdamW under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at
+DP=2 trains (the loss falls; the build summary names SOAP), saving at 4 and 8; a run resumed from 4
+in fresh processes prints the same losses and saves bitwise the same state (every SOAP tensor
+included) at 8. Two launches.
+
+Not compared step by step with megatron-core's own soap on one rank: SOAP's update amplifies a
 gradient's last-bit differences to O(1) (its first step is Adam, ``g / (|g| + 1e-8)``, in the
 eigenbasis of ``L = G G^T``, whose null space holds only rounding noise: a ``(192, 64)``
 ``linear_qkv`` has 128 zero eigenvalues), so the stock soap itself at DP=1 and at DP=2 (Megatron's
-DDP, ``--clip-grad 0``) already differs at iteration 2 (losses 4.839392 and 4.843491, measured).
-That ours steps exactly as stock SOAP given the same gradients is tests/test_factory_soap.py's
-claim (bitwise, every strategy). Here: the loss falls, and a run resumed from the checkpoint of
-iteration 4 in fresh processes prints the same losses and saves bitwise the same state (every SOAP
-tensor included) at 8. The GPT uses rotary position embeddings (stock megatron-core routes a
-learned position embedding to the matrix optimizer, ours to AdamW). Launches: 1 one-rank
-reference, 1 DP=2 run, 1 resume.
+DDP, ``--clip-grad 0``) differs from iteration 2 on (losses 4.839392 and 4.843491, measured), and
+ours at DP=2 against stock at DP=1 likewise (4.839582 and 4.841638; the first iteration's loss
+and grad norm equal). That ours steps exactly as stock SOAP given the same gradients is
+tests/test_factory_soap.py's claim (bitwise, every strategy).
 """
 
 from __future__ import annotations
@@ -28,11 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.megatron_lm_logs import (
-    assert_loss_falls,
-    assert_same_losses,
-    load_fsdp_dtensor_checkpoint,
-)
+from tests.megatron_lm_logs import assert_loss_falls, load_fsdp_dtensor_checkpoint
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -44,12 +39,6 @@ FLAGS = [
     *("--position-embedding-type rope --train-iters").split(),
     str(NUM_ITERS),
 ]
-
-
-@pytest.fixture(scope="module")
-def stock_soap() -> MegatronRun:
-    """One rank, no Megatron-FSDP: megatron-core's own soap."""
-    return run_megatron(FLAGS, nproc=1, megatron_fsdp=False)
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +87,13 @@ def test_validate_args_accepts_soap_with_megatron_fsdp_and_its_flags(
 
 
 @pytest.mark.multirank
-def test_soap_on_megatron_fsdp_trains_and_starts_as_the_stock_optimizer(
-    stock_soap: MegatronRun, fsdp_soap: MegatronRun
-) -> None:
-    reference, run = stock_soap, fsdp_soap
-    losses = run.series("lm loss")
-    print(
-        f"\nsoap DP=2 {STRATEGY}: {losses}\nsoap stock DP=1: "
-        f"{reference.series('lm loss')} ({run.wall_s:.0f} s, {reference.wall_s:.0f} s)"
-    )
-    assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
-    assert reference.optimizers[0]["class"] == "ChainedOptimizer"  # megatron-core's own
-    for described in run.optimizers.values():
+def test_soap_on_megatron_fsdp_trains(fsdp_soap: MegatronRun) -> None:
+    losses = fsdp_soap.series("lm loss")
+    print(f"\nsoap DP=2 {STRATEGY}: {losses} ({fsdp_soap.wall_s:.0f} s)")
+    assert sorted(fsdp_soap.iterations) == list(range(1, NUM_ITERS + 1))
+    for described in fsdp_soap.optimizers.values():
         assert any("SOAP[dense]" in line for line in described["summary"])
     assert_loss_falls(losses)
-    # Before any SOAP update: the same model, data and gradient (module docstring: why no more).
-    assert_same_losses(losses[:1], reference.series("lm loss")[:1])
-    assert_same_losses(run.series("grad norm")[:1], reference.series("grad norm")[:1])
 
 
 @pytest.mark.multirank
