@@ -24,7 +24,6 @@ Checked here:
   norms to 1e-5; some Lion params have no rows on one rank (empty shards).
   The same for the MoE GPT (4 experts, their rows over ``expt_dp``; one Lion steps dense and
   expert shards alike), under optim_grads_params, in the same launch.
-- ``--optimizer soap`` with ``--use-megatron-fsdp`` is refused by name.
 """
 
 from __future__ import annotations
@@ -192,14 +191,10 @@ def _validated(monkeypatch: pytest.MonkeyPatch, flags: str) -> argparse.Namespac
     return arguments.validate_args(arguments.parse_args())
 
 
-def test_validate_args_accepts_lion_and_refuses_soap_by_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_validate_args_accepts_lion_with_megatron_fsdp(monkeypatch: pytest.MonkeyPatch) -> None:
     args = _validated(monkeypatch, "--optimizer lion")
     assert args.optimizer == "lion" and args.use_megatron_fsdp
     assert not args.use_layer_wise_distributed_optimizer
-    with pytest.raises(ValueError, match="--optimizer soap with --use-megatron-fsdp is not"):
-        _validated(monkeypatch, "--optimizer soap")
 
 
 def test_stock_lion_reads_the_lion_betas_after_install() -> None:

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_muon.checkpointing.ranks import collective_device
 from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.soap_matrix import STATE_KEYS
 
 __all__ = [
     "create_state",
@@ -62,11 +63,12 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     )
 
 
-def _emerging_optimizer_classes() -> tuple[type[Any], type[Any]]:
+def _emerging_optimizer_classes() -> tuple[type[Any], type[Any], type[Any]]:
     from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimizer
     from emerging_optimizers.scalar_optimizers import Lion
+    from emerging_optimizers.soap import SOAP
 
-    return OrthogonalizedOptimizer, Lion
+    return OrthogonalizedOptimizer, Lion, SOAP
 
 
 def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
@@ -77,7 +79,9 @@ def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
 
 def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """State keys every param of ``group`` holds once the optimizer has state for it."""
-    orthogonalized, lion = _emerging_optimizer_classes()
+    orthogonalized, lion, soap = _emerging_optimizer_classes()
+    if isinstance(optimizer, soap):  # SOAP, ShardedSOAP (whose tensors live on each owner)
+        return STATE_KEYS
     if _is_adaptive_muon(optimizer):  # AdaptiveMuon, megatron-core's, ShardedAdaptiveMuon
         return ("momentum_buffer", "moment2_buffer")
     if isinstance(optimizer, orthogonalized):  # Muon, TensorParallelMuon, ShardedMuon
@@ -90,13 +94,13 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
     raise TypeError(
         f"checkpointing does not know how {type(optimizer).__name__} creates its state without a "
         "step; supported: Muon (emerging_optimizers OrthogonalizedOptimizer, ShardedMuon), "
-        "emerging_optimizers Lion, torch.optim.Adam, torch.optim.AdamW"
+        "emerging_optimizers Lion and SOAP (ShardedSOAP), torch.optim.Adam, torch.optim.AdamW"
     )
 
 
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon and Lion of
-    emerging-optimizers, ``ShardedMuon``, torch ``Adam``/``AdamW``)."""
+    """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon, Lion and SOAP of
+    emerging-optimizers, ``ShardedMuon``, ``ShardedSOAP``, torch ``Adam``/``AdamW``)."""
     return isinstance(optimizer, (torch.optim.Adam, *_emerging_optimizer_classes()))
 
 
@@ -176,7 +180,8 @@ def ensure_optimizer_state(optimizer: Any) -> None:
             for param in group["params"]:
                 state = leaf.state[param]
                 groups = _param_process_groups(param)
-                if "step" in state and groups:
+                # A tensor step (Adam's); SOAP's is a Python int, counted by every rank alike.
+                if torch.is_tensor(state.get("step")) and groups:
                     key = tuple(id(g) for g in groups)
                     mesh_groups[key] = groups
                     stepped.setdefault(key, []).append(state["step"])

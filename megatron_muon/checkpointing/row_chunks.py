@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_muon.checkpointing.ranks import collective_device
 from megatron_muon.sharded.layout import fsdp_row_offset
+from megatron_muon.sharded.soap_state import is_owner_held
 
 __all__ = ["attach_row_chunks"]
 
@@ -100,9 +101,10 @@ def attach_row_chunks(
 
     Collective over the default process group. ``params``: (name, param) in the same order on
     every rank; ``optimizer_state``: name -> state dict (the tensors DCP saves or loads in place).
-    A param and its state tensors (same local shape and placements) share one chunk. Chunks come
-    from ``megatron_fsdp_slice`` without communication; params where some rank cannot tell (one
-    ``all_reduce`` of flags decides, so every rank agrees) go through megatron_fsdp's
+    A param and its state tensors (same local shape and placements) share one chunk; owner-held
+    state (``sharded.soap_state``) has its own: the whole tensor on its owner, nothing elsewhere.
+    Chunks come from ``megatron_fsdp_slice`` without communication; params where some rank cannot
+    tell (one ``all_reduce`` of flags decides, so every rank agrees) go through megatron_fsdp's
     ``gather_and_compute_chunk_metadata`` (one ``all_gather_object`` each, in name order).
     """
     from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
@@ -122,6 +124,11 @@ def attach_row_chunks(
         _attach_chunk(param, chunk)
         for value in optimizer_state.get(name, {}).values():
             if not isinstance(value, DTensor):
+                continue
+            if is_owner_held(value):  # whole on its owner at offset 0, nothing elsewhere
+                local_shape = value.to_local().shape
+                offsets = torch.Size((0,) * len(local_shape))
+                _attach_chunk(value, ChunkStorageMetadata(offsets=offsets, sizes=local_shape))
                 continue
             same = value.to_local().shape == param.to_local().shape
             if not (same and value.placements == param.placements):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -244,6 +245,7 @@ def load_checkpoint(
     state_dict["common"] = common
     attach_row_chunks(inventory.params, state_dict["optimizer"]["state"])
     dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+    _restore_state_objects(inventory, state_dict["optimizer"]["state"])
 
     loaded = {key: from_bytes(value) for key, value in state_dict["common"].items()}
     restore_param_groups(inventory, loaded["param_groups"])
@@ -259,6 +261,17 @@ def load_checkpoint(
         rng_restored=restore_rng,
         seconds=time.perf_counter() - start,
     )
+
+
+def _restore_state_objects(inventory: Inventory, loaded: dict[str, dict[str, Any]]) -> None:
+    """Puts the loaded non-tensor state values (SOAP's Python-int ``step``) into the live state:
+    DCP loads tensors in place but replaces other values in its own (copied) dicts."""
+    for name, param in inventory.params:
+        if name in inventory.param_owner:
+            live = inventory.param_owner[name][0].state[param]
+            for key, value in loaded[name].items():
+                if not torch.is_tensor(value):
+                    live[key] = value
 
 
 def _install_model_weights(chunks: list[nn.Module]) -> None:

@@ -44,7 +44,7 @@ MegatronMatmulPrecT = Literal["low", "medium", "high"]
 MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
 # (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
-FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion"]
+FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap"]
 # The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
 # megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
 # trainer (``sharded.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.

@@ -10,8 +10,9 @@ returns it). It adds
   help; a field with a ``unit`` is a float flag in that unit (MiB for ``bucket_size_bytes``); and
 - Megatron-LM's Muon flags (``--optimizer`` and ``--muon-<field>`` for each ``MuonConfig`` field)
   with Megatron-LM's names, choices and defaults, and ``--adaptive-muon-<field>`` for each
-  ``AdaptiveMuonConfig`` field (``OptimizerConfig.adaptive_muon_*``, which Megatron-LM 0.19.2's
-  parser has no flag for), **only where the parser lacks them**: on
+  ``AdaptiveMuonConfig`` field and ``--soap-<field>`` for each ``SoapConfig`` field
+  (``OptimizerConfig.adaptive_muon_*``, ``soap_*``, which Megatron-LM 0.19.2's parser has no flag
+  for), **only where the parser lacks them**: on
   Megatron's own parser (``megatron.training.arguments``) they already exist and are left alone, so
   the same function serves Megatron-LM's loop and a parser of our own.
 
@@ -48,6 +49,7 @@ from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.sharded.soap_matrix import SoapConfig
 
 __all__ = [
     "add_muon_args",
@@ -147,7 +149,8 @@ def _add_megatron_muon_flags(
     parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
 ) -> None:
     """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--muon-<field>`` per
-    ``MuonConfig`` field and ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field."""
+    ``MuonConfig`` field, ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field and
+    ``--soap-<field>`` per ``SoapConfig`` field."""
     if not _has_option(parser, "--optimizer"):
         group.add_argument(
             "--optimizer", type=str, default="adam", choices=get_args(MegatronOptimizerT)
@@ -157,6 +160,8 @@ def _add_megatron_muon_flags(
     )
     # megatron-core's OptimizerConfig has adaptive_muon_*, Megatron-LM's parser no flag for them.
     add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
+    # Likewise soap_* (shampoo_beta, precondition_frequency, use_kl_shampoo).
+    add_optimizer_config_flags(parser, group, SoapConfig, "soap")
 
 
 def add_optimizer_config_flags(

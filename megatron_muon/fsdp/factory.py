@@ -1,4 +1,4 @@
-"""``build_muon_optimizer``: Muon + AdamW (or Lion), or Lion alone, for Megatron-FSDP chunks.
+"""``build_muon_optimizer``: Muon, adaptive Muon, Lion or SOAP (+ AdamW/Lion) for Megatron-FSDP.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` (or
 ``"lion"``, the values of ``common.options.FsdpOptimizerT``, or another orthogonalized optimizer
@@ -15,7 +15,9 @@ of emerging-optimizers, ``OrthogonalizedOptimizerT``) meets Megatron-FSDP (alias
 or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its Lion
 (``lion_beta1``/``lion_beta2``) for the matrices Muon would take, AdamW for the rest. Lion's
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
-of a param steps nothing there; its state exists all the same).
+of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
+``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
+the rest.
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -55,7 +57,7 @@ from megatron_muon.fsdp.process_groups import (
     row_group,
     strategy_name,
 )
-from megatron_muon.fsdp.qk_clip import QKClip, QKClipConfig, find_attentions
+from megatron_muon.fsdp.qk_clip import QKClipConfig, build_qk_clip
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
@@ -69,6 +71,7 @@ from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.sharded.orthogonalized import ShardedOrthogonalized
 from megatron_muon.sharded.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
 from megatron_muon.sharded.sharded_muon import ShardedMuon
+from megatron_muon.sharded.sharded_soap import ShardedSOAP
 from megatron_muon.sharded.tensor_parallel import check_param_meshes
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
@@ -80,10 +83,11 @@ CkptFormatT = Literal["fsdp_dtensor"]
 # None for an elementwise one: megatron-core's own class (its standard path, the one
 # ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
 # element: decoupled decay, the sign of an interpolation of momentum and grad).
-_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | None] = {
+_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | type[ShardedSOAP] | None] = {
     "muon": ShardedMuon,
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
+    "soap": ShardedSOAP,
     **SHARDED_ORTHOGONALIZED,
 }
 assert set(_MATRIX_OPTIMIZERS) == {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
@@ -162,10 +166,14 @@ def build_muon_optimizer(
     _check_config(config)
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)
-    # Muon's flags are read (and checked) only where Muon is built (ShardedOrthogonalized: none).
-    muon_config = None if _MATRIX_OPTIMIZERS[config.optimizer] is None else MuonConfig()
+    # Muon's flags are read (and checked) only where Muon is built; ShardedOrthogonalized reads
+    # its class's own settings from ``config``; Lion and SOAP take none of Muon's.
+    matrix_class = _MATRIX_OPTIMIZERS[config.optimizer]
+    muon_config = None
     if config.optimizer in ("muon", "adaptive_muon"):
         muon_config = MuonConfig.from_optimizer_config(config)
+    elif matrix_class is not None and issubclass(matrix_class, ShardedOrthogonalized):
+        muon_config = MuonConfig()
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
     # The rest: muon_scalar_optimizer beside Muon; Adam beside another emerging optimizer, as
@@ -178,7 +186,7 @@ def build_muon_optimizer(
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
 
-    clip = _qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
+    clip = build_qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
     if clip is not None:
         summary.append(
             f"megatron-muon QK-clip: threshold {clip.threshold:g} on "
@@ -259,15 +267,16 @@ def _sub_optimizers(
 ) -> tuple[list[MegatronOptimizer], list[str]]:
     """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries.
 
-    ``muon_config`` None: an elementwise matrix optimizer (``routing.matrix_optimizer``, Lion):
-    megatron-core's own class over the dense and expert matrices' row shards together.
+    ``muon_config`` None: SOAP (``ShardedSOAP``, dense and expert apart, as Muon), or an
+    elementwise matrix optimizer (``routing.matrix_optimizer``, Lion): megatron-core's own class
+    over the dense and expert matrices' row shards together.
     """
     by_target = param_groups_by_optimizer(chunks, config, routing)
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
     strategy = strategy_name(fsdp_modules)
     names = [routing.scalar_optimizer]
-    if muon_config is None:
+    if _MATRIX_OPTIMIZERS[config.optimizer] is None:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))
@@ -287,6 +296,13 @@ def _sub_optimizers(
                 f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
                 f"tp_mode {muon_config.tp_mode}"
             )
+        elif groups and _MATRIX_OPTIMIZERS[config.optimizer] is ShardedSOAP:
+            dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
+            soap = ShardedSOAP.from_optimizer_config(groups, config, dp_group)
+            optimizers.append(_wrap(soap, config, _eopt_init_state_fn, pg_collection))
+            where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
+            kind = "expert" if is_expert else "dense"
+            summary.append(f"megatron-muon SOAP[{kind}]: {_count(groups)} over {where}")
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:
@@ -317,7 +333,7 @@ def _muon_optimizer(
     tp_mode = muon_config.tp_mode
     check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
     optimizer_class = _MATRIX_OPTIMIZERS[config.optimizer]
-    assert optimizer_class is not None, "Muon params only in a Muon run (_sub_optimizers)"
+    assert optimizer_class is not None and issubclass(optimizer_class, ShardedMuon), "Muon runs"
     # The matrix optimizer's own settings beyond Muon's, from ``OptimizerConfig``.
     extra: dict[str, Any] = {}
     if optimizer_class is ShardedAdaptiveMuon:
@@ -346,32 +362,6 @@ def _muon_optimizer(
         f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
     )
     return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
-
-
-def _qk_clip(
-    config: QKClipConfig | None,
-    chunks: list[torch.nn.Module],
-    pg_collection: ProcessGroupCollection | None,
-    fsdp_modules: list[Any],
-) -> QKClip | None:
-    """MuonClip's ``QKClip`` for ``config``, or None without one.
-
-    Built now, while every clipped weight (``linear_qkv``; MLA's query and kv up-projections) is
-    the DTensor row shard the optimizer updates (a forward swaps in the compute weights); max
-    logits are all-reduced over the dense data-parallel group (``dp_cp``), whose ranks see
-    different tokens; the clipped-head count is summed over ``tp``.
-    """
-    if config is None:
-        return None
-    attentions = find_attentions(chunks)
-    if not attentions:
-        raise ValueError(
-            f"QK-clip threshold {config.threshold} but the model has no megatron-core "
-            "SelfAttention or MultiLatentAttention layer to clip"
-        )
-    group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
-    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-    return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)
 
 
 def _wrap(

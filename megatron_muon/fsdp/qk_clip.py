@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_muon.fsdp.process_groups import row_group
 from megatron_muon.fsdp.qk_clip_rows import (
     DEFAULT_ALPHA,
     HeadRows,
@@ -57,6 +58,7 @@ from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
 __all__ = [
     "QKClip",
+    "build_qk_clip",
     "QKClipConfig",
     "QKClipStats",
     "find_attentions",
@@ -340,3 +342,29 @@ def _records_max_logits(core_attention: torch.nn.Module) -> bool:
         return False
     config: Any = core_attention.config  # megatron-core's TransformerConfig
     return bool(config.qk_clip or config.log_max_attention_logit)
+
+
+def build_qk_clip(
+    config: QKClipConfig | None,
+    chunks: list[torch.nn.Module],
+    pg_collection: Any,
+    fsdp_modules: list[Any],
+) -> QKClip | None:
+    """MuonClip's ``QKClip`` for ``config`` (``build_muon_optimizer``), or None without one.
+
+    Built now, while every clipped weight (``linear_qkv``; MLA's query and kv up-projections) is
+    the DTensor row shard the optimizer updates (a forward swaps in the compute weights); max
+    logits are all-reduced over the dense data-parallel group (``dp_cp``), whose ranks see
+    different tokens; the clipped-head count is summed over ``tp``.
+    """
+    if config is None:
+        return None
+    attentions = find_attentions(chunks)
+    if not attentions:
+        raise ValueError(
+            f"QK-clip threshold {config.threshold} but the model has no megatron-core "
+            "SelfAttention or MultiLatentAttention layer to clip"
+        )
+    group, _ = row_group(pg_collection, fsdp_modules, is_expert=False)
+    tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    return QKClip(attentions, config.threshold, group=group, alpha=config.alpha, tp_group=tp_group)

@@ -1,13 +1,13 @@
-"""``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp`` in Megatron-LM's own training
-loop: ``install()``.
+"""``--optimizer muon|adaptive_muon|lion|soap --use-megatron-fsdp`` in Megatron-LM's own
+training loop: ``install()``.
 
 Megatron-LM's ``pretrain_gpt.py`` trains through ``megatron.training.pretrain``, which ships inside
 the megatron-core wheel. Put ``install()`` at the top of that script (before it parses arguments)
-and ``--optimizer muon`` (or ``adaptive_muon``, ``lion``: ``common.options.FsdpOptimizerT``) works
+and ``--optimizer muon`` (or ``adaptive_muon``, ``lion``, ``soap``: ``FsdpOptimizerT`` of
+``common.options``) works
 together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every
-``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``).
-``--optimizer soap`` with Megatron-FSDP is refused by name
-(``megatron_lm_arguments.NOT_YET_ON_MEGATRON_FSDP``).
+``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``; not
+soap, whose owner state needs a 1-D data-parallel mesh).
 
 What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 9 in ``checkpoint_integrity``, 10 in
@@ -21,11 +21,11 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    Megatron-FSDP twice (``assert args.optimizer in ('sgd', 'adam')`` in the Megatron-FSDP block;
    ``assert not args.use_megatron_fsdp`` in the emerging-optimizer block, which also allows only the
    torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
-   ``args.optimizer`` is "muon", "adaptive_muon" or "lion" and ``args.use_megatron_fsdp``, the
-   original runs with the optimizer reported as "adam" and the name is restored before the
-   arguments are printed and returned (``--fp16`` is refused there, as the factory does). In
-   0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two places, so
-   every other check runs unchanged; skipping the emerging-optimizer block also keeps
+   ``args.optimizer`` is one of ``FsdpOptimizerT`` (muon, adaptive_muon, lion, soap) and
+   ``args.use_megatron_fsdp``, the original runs with the optimizer reported as "adam" and the
+   name is restored before the arguments are printed and returned (``--fp16`` is refused there,
+   as the factory does). In 0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two
+   places, so every other check runs unchanged; skipping the emerging-optimizer block also keeps
    ``use_layer_wise_distributed_optimizer`` off (that optimizer shards whole params over DP, which
    Megatron-FSDP already does by rows).
    ``--qk-clip`` is taken over there too: megatron-muon's ``QKClip`` clips the main weights'
@@ -36,7 +36,7 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    Megatron-FSDP never reduces gradients across the HSDP replicas.
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
-   left alone): exactly when ``config.optimizer`` is "muon", "adaptive_muon" or "lion" and a model
+   left alone): exactly when ``config.optimizer`` is one of ``FsdpOptimizerT`` and a model
    chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
    (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
    installs the weights and re-syncs params; inside this loop gradients were already reduced by

@@ -1,5 +1,5 @@
-"""Megatron-LM's arguments for ``--optimizer muon|adaptive_muon|lion --use-megatron-fsdp``: two
-patched functions.
+"""Megatron-LM's arguments for ``--optimizer muon|adaptive_muon|lion|soap --use-megatron-fsdp``:
+two patched functions.
 
 ``megatron_muon.integrations.megatron_lm.install()`` applies both, under its megatron-core version
 check (``SUPPORTED_MEGATRON_CORE``); what each does and why is in that module's docstring (items 1
@@ -8,13 +8,12 @@ and 2) and in each function's below.
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
   works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
-- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon, adaptive Muon or Lion
+- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon, adaptive Muon, Lion or SOAP
   (``FsdpOptimizerT``) with Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's
   ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is taken over, HSDP turns
   ``--overlap-grad-reduce`` on and (Muon, adaptive Muon) the Muon flags' values are checked (and
-  the ``--adaptive-muon-*`` ones); ``--async-save`` is refused. The emerging optimizers not run on
-  Megatron-FSDP yet (``NOT_YET_ON_MEGATRON_FSDP``) are refused by name; Muon or adaptive Muon
-  without Megatron-FSDP (stock ``TensorParallelMuon`` and its subclass) is refused
+  the ``--adaptive-muon-*`` and ``--soap-*`` ones); ``--async-save`` is refused; Muon or adaptive
+  Muon without Megatron-FSDP (stock ``TensorParallelMuon`` and its subclass) is refused
   ``layer_sharded``.
 """
 
@@ -29,6 +28,7 @@ from typing import Any, get_args
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
 from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
+from megatron_muon.sharded.soap_matrix import SoapConfig
 
 __all__ = [
     "escape_bare_percent_in_help",
@@ -36,7 +36,6 @@ __all__ = [
     "with_muon_args",
     "muon_meets_megatron_fsdp",
     "accepting_muon_with_fsdp",
-    "NOT_YET_ON_MEGATRON_FSDP",
 ]
 
 
@@ -109,16 +108,9 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 # --------------------------------------------------------------------------------------------------
 
 
-# Megatron's emerging optimizers that megatron-muon does not run on Megatron-FSDP yet: refused by
-# name at validate_args (stock megatron-core refuses every emerging optimizer there, unnamed).
-NOT_YET_ON_MEGATRON_FSDP: dict[str, str] = {
-    "soap": "SOAP keeps whole-matrix Kronecker factors and eigenbases per matrix",
-}
-
-
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
     """True for the combinations this integration takes over: an optimizer megatron-muon builds
-    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion) with
+    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion, soap) with
     ``--use-megatron-fsdp``."""
     return getattr(args, "optimizer", None) in get_args(FsdpOptimizerT) and bool(
         getattr(args, "use_megatron_fsdp", False)
@@ -128,7 +120,6 @@ def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
 def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) -> Callable:
     @functools.wraps(validate_args)
     def validate_args_accepting_muon(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
-        _refuse_not_yet_supported(args)
         if not muon_meets_megatron_fsdp(args):
             _refuse_our_tp_modes_for_stock_muon(args)
             return validate_args(args, *rest, **kwargs)
@@ -145,6 +136,8 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             check_muon_args(args)  # a bad value stops here, naming its flag
         if name == "adaptive_muon":
             AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
+        if name == "soap":
+            SoapConfig.from_optimizer_config(args)  # names the soap_ field
         print_args = arguments._print_args
 
         def print_with_name(title: str, printed: argparse.Namespace) -> None:
@@ -200,18 +193,6 @@ def _refuse_our_tp_modes_for_stock_muon(args: argparse.Namespace) -> None:
             f"--muon-tp-mode {mode} runs in megatron-muon's ShardedMuon, with "
             "--use-megatron-fsdp; megatron-core's TensorParallelMuon (Muon without it) knows "
             f"{', '.join(_STOCK_TP_MODES)}"
-        )
-
-
-def _refuse_not_yet_supported(args: argparse.Namespace) -> None:
-    """``--optimizer`` of ``NOT_YET_ON_MEGATRON_FSDP`` with ``--use-megatron-fsdp``: a
-    ``ValueError`` naming it (and why), before megatron-core's unnamed assertion."""
-    name = getattr(args, "optimizer", None)
-    if name in NOT_YET_ON_MEGATRON_FSDP and getattr(args, "use_megatron_fsdp", False):
-        raise ValueError(
-            f"--optimizer {name} with --use-megatron-fsdp is not supported by megatron-muon yet "
-            f"({NOT_YET_ON_MEGATRON_FSDP[name]}); supported there: "
-            f"{', '.join(get_args(FsdpOptimizerT))}"
         )
 
 

@@ -1,0 +1,118 @@
+"""build_muon_optimizer with ``optimizer="soap"`` on a real Megatron-FSDP GPTModel.
+
+One launch (2 gloo ranks) trains the tiny GPTModel of tests/test_factory.py under megatron-core's
+``FullyShardedDataParallel`` for 5 steps under each sharding strategy (no_shard, optim,
+optim_grads, optim_grads_params), next to a single-process fp32 reference: emerging-optimizers'
+``SOAP`` with the keywords megatron-core's registry gives it for ``--optimizer soap`` (``lr``,
+``weight_decay``, ``betas`` = the Adam betas, ``shampoo_beta``, ``use_kl_shampoo``) on the 2-D
+hidden matrices + AdamW on the rest, on full tensors, stepped with the sharded run's own
+gradients (the rows of every rank, assembled, after the optimizer's clipping).
+
+Why the sharded run's gradients, not the reference's own backward (as the Muon parity tests do):
+SOAP's first step is Adam in the eigenbasis of ``L = G G^T``, whose null space (a ``(192, 64)``
+``linear_qkv`` has 128 zero eigenvalues) holds only rounding noise; Adam divides that noise by its
+own magnitude (eps 1e-8), so a gradient that differs in its last bit gives an O(1) different
+update there. Measured: the same reference with its batch gradient accumulated in another order
+(the "reduction-order floor" of the other tests) moves ``linear_qkv`` by 1.6 (relative) in 5 steps.
+With the same gradients, SOAP's arithmetic is the same on the owner as in the reference: the SOAP
+params are bitwise the reference's at every strategy; the AdamW params (megatron-core's foreach
+AdamW against torch's per-tensor loop) within 1e-6 relative. Both run eager
+(``tests.soap_reference.EAGER``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_muon.testing import run_on_ranks
+from tests import gpt_parity
+from tests.factory_gpt_runs import PARITY_STEPS
+from tests.gpt_parity import SEQ, Run
+from tests.soap_reference import EAGER, SHAMPOO_BETA, SoapReference
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+RUNS = [Run("mcore", strategy) for strategy in STRATEGIES]
+
+
+def _rows(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:
+    """name -> (first row, this rank's rows) of every optimizer param's ``attribute`` (``data``
+    or ``grad``; a rank holding no rows has ``grad is None``)."""
+    from megatron_muon.sharded.layout import local_tensor
+
+    out = {}
+    for name, param in named.items():
+        local = local_tensor(param.detach())
+        value = getattr(param, attribute)
+        rows = local_tensor(value.detach()).clone() if value is not None else local * 0
+        row_numel = max(1, local.shape[1:].numel())
+        full_rows = tuple(local.shape) == tuple(param.shape)
+        start = 0 if full_rows else param.megatron_fsdp_slice.start // row_numel
+        out[gpt_parity._strip(name)] = (start, rows)
+    return out
+
+
+def _whole(named: dict, attribute: str) -> dict[str, torch.Tensor]:
+    """name -> the whole ``attribute`` tensor, from every rank's rows (one all_gather_object)."""
+    import torch.distributed as dist
+
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, _rows(named, attribute))
+    whole = {}
+    for name in pieces[0]:
+        rows = sorted({(p[name][0], p[name][1].shape[0]): p[name][1] for p in pieces}.items())
+        whole[name] = torch.cat([r for (_, _), r in rows])
+    return whole
+
+
+def _train_run(run: Run, rank: int, world_size: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """name -> (ours, the reference's) whole param after ``PARITY_STEPS`` steps; and the summary."""
+    from megatron_muon import build_muon_optimizer
+
+    config = gpt_parity.optimizer_config(optimizer="soap", soap_shampoo_beta=SHAMPOO_BETA)
+    reference = SoapReference(gpt_parity.build_gpt())
+    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(), run, world_size)
+    named = dict(wrapped.named_parameters())  # the optimizer params, right after wrapping
+    optimizer = build_muon_optimizer(config, [wrapped])
+    reference_params = dict(reference.model.named_parameters())
+    for step in range(PARITY_STEPS):
+        tokens, labels = gpt_parity.batch(step, world_size)
+        mine = tokens.view(world_size, -1, SEQ)[rank], labels.view(world_size, -1, SEQ)[rank]
+        optimizer.zero_grad()
+        gpt_parity.loss_of(wrapped, *mine).backward()
+        ok, _, _ = optimizer.step()
+        assert ok
+        for name, grad in _whole(named, "grad").items():
+            reference_params[name].grad = grad
+        for reference_optimizer in reference.optimizers:
+            reference_optimizer.step()
+    ours = _whole(named, "data")
+    compared = {name: (ours[name], p.detach().clone()) for name, p in reference_params.items()}
+    routed = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
+    return {"params": compared, "routed": routed, "summary": list(optimizer.summary_lines)}
+
+
+def _train(rank: int, world_size: int) -> list[dict]:
+    gpt_parity.init_megatron()
+    with EAGER():
+        return [_train_run(run, rank, world_size) for run in RUNS]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[list[dict]]:
+    return run_on_ranks(_train, 2, timeout=600)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=STRATEGIES)
+def test_soap_gpt_steps_as_the_unsharded_stock_optimizer(results, index: int) -> None:
+    result = results[0][index]
+    assert any("SOAP[dense]" in line for line in result["summary"]), result["summary"]
+    routed = result["routed"]
+    assert sum(o == "soap" for o in routed.values()) == 8, routed  # 4 hidden matrices x 2 layers
+    for name, (ours, reference) in result["params"].items():
+        if routed[name] == "soap":
+            assert torch.equal(ours, reference), name
+        else:
+            error = float((ours - reference).norm() / reference.norm().clamp_min(1e-12))
+            assert error <= 1e-6, (name, error)
