@@ -22,9 +22,9 @@ and where:
   stacked partitions ``(tp * rows, cols)`` (``tp_grid``), each grid rank holding its DP rank's
   rows of its partition. A weight every TP rank holds whole (router, MLA down-projections) is
   planned once over the grid too, its rows taken from TP rank 0's copy and the result sent to
-  every copy. A column-parallel weight's rows on the grid are counted in TP-major order (rows
-  per rank exact, their positions approximate), which moves only where the planner places
-  owners near rows.
+  every copy. A TP-split weight's rows are laid out over the grid ranks in rank order (rows per
+  rank exact; in the stacked matrix partition ``t``'s rows lie together instead), which moves
+  only where the planner places owners near rows and which rows a split block keeps.
 
 Critical path: ``bucket_schedule.critical_path`` of each optimizer group under its buckets (the
 bound given), the dense group's then the experts' (two optimizer steps one after the other);
