@@ -501,12 +501,12 @@ def test_tool_cli_writes_json(tmp_path, capsys):
     ("name", "dp", "tp", "ep"),
     [("llama3-70b", 16, 8, None), ("llama3-70b", 64, 8, None), ("deepseek-v3", 64, 2, 8)],
 )
-def test_layer_sharded_critical_path_is_within_a_tenth_of_what_whole_matrix_ns_allows(
+def test_layer_sharded_critical_path_is_within_a_tenth_of_the_even_spread_over_dp_x_tp(
     name, dp, tp, ep
 ):
-    """Within 1.10x of the full-matrix NS spread evenly over DP x TP, or, where the grid has more
-    ranks than TP-split weights (llama3-70b at DP 64 x TP 8: 320 weights, 512 ranks), of the
-    largest weight's NS: layer_sharded never splits one (bitwise duplicated's update)."""
+    """Within 1.10x of the full-matrix NS spread evenly over DP x TP. At llama3-70b DP 64 x TP 8
+    the grid has more ranks (512) than TP-split weights (320): only splitting the largest
+    weights' NS over rank blocks gets there (whole-matrix NS is bounded by linear_fc1, 3.3x)."""
     from megatron_muon.newton_schulz.cost_model import pieces_flops
     from megatron_muon.plan.models import default_parallelism, muon_matrices
     from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
@@ -515,14 +515,12 @@ def test_layer_sharded_critical_path_is_within_a_tenth_of_what_whole_matrix_ns_a
     parallel = default_parallelism(spec, dp, tp, ep)
     settings = GroupInput((), (), 1, bucket_bytes=DEFAULT_BUCKET_SIZE_BYTES)
     layer_sharded = tp_mode_figures(spec, parallel, "layer_sharded", settings)
-    dense = muon_matrices(spec, parallel).dense
-    largest = max(pieces_flops(m.tp_full(tp).pieces, settings.ns_config) for m in dense)
-    whole_matrix_bound = max(1.0, largest / layer_sharded.ideal_flops)
-    assert layer_sharded.critical_path_over_ideal <= 1.10 * whole_matrix_bound, layer_sharded
+    assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
     if (name, dp) == ("llama3-70b", 64):
-        assert whole_matrix_bound > 3  # fewer weights than grid ranks: NS granularity bounds it
-    else:
-        assert layer_sharded.critical_path_over_ideal <= 1.10, layer_sharded
+        dense = muon_matrices(spec, parallel).dense
+        largest = max(pieces_flops(m.tp_full(tp).pieces, settings.ns_config) for m in dense)
+        assert largest > 3 * layer_sharded.ideal_flops  # one rank per weight could not hold it
+        assert layer_sharded.num_split_matrices > 0
     if spec.num_experts:  # the other modes' figures on the dense models (seconds each here)
         return
     modes = {
@@ -549,7 +547,55 @@ def test_grid_rows_give_each_dp_x_tp_rank_its_share_of_the_whole_matrix():
     ]
     column, row, router = grid_rows(local, rows, 2)  # grid rank d * 2 + t
     assert column.tolist() == [3, 3, 0, 0, 5, 5]  # partition t: rows t * 8 .. of the whole
-    assert row.tolist() == [4, 4, 0, 0, 0, 0]  # 8 rows of 6 of 12 columns: 4 whole rows each
+    assert row.tolist() == [8, 8, 0, 0, 0, 0]  # its partition's rows of the stacked (16, 6)
     assert router.tolist() == [2, 0, 2, 0, 4, 0]  # TP rank 0's copy sends, the others receive
-    for held, matrix in zip((column, row, router), local, strict=True):
-        assert held.sum() == matrix.tp_full(2).shape[0]
+    for held, whole in zip((column, row, router), (16, 16, 8), strict=True):
+        assert held.sum() == whole
+
+
+@pytest.mark.parametrize(("partitions", "num_parts"), [(4, 2), (4, 4), (2, 8), (1, 4)])
+def test_row_parallel_split_blocks_are_the_column_blocks_of_the_unsplit_matrix(
+    partitions, num_parts
+):
+    from megatron_muon.newton_schulz.cost_model import split_bounds
+    from megatron_muon.sharded.tp_grid import join_partitions, row_parallel_split_blocks
+
+    rows, cols = 3, 8
+    unsplit = torch.arange(rows * partitions * cols).reshape(rows, partitions * cols)
+    stacked = torch.cat(unsplit.chunk(partitions, dim=1))  # partition t at rows t * rows ..
+    blocks = row_parallel_split_blocks(rows, cols, partitions, num_parts)
+    assert blocks is not None
+    for (r0, r1, c0, c1), (lo, hi) in zip(
+        blocks, split_bounds(partitions * cols, num_parts), strict=True
+    ):
+        rectangle = stacked[r0:r1, c0:c1]
+        joined = join_partitions(rectangle, (r1 - r0) // rows, 1)
+        assert torch.equal(joined, unsplit[:, lo:hi])
+
+
+def test_a_row_parallel_split_that_would_cut_a_partition_unevenly_is_not_taken():
+    from megatron_muon.newton_schulz.methods import NSConfig
+    from megatron_muon.sharded.layout import RowLayout
+    from megatron_muon.sharded.step_plan import NSMatrix, plan_step
+    from megatron_muon.sharded.tp_grid import row_parallel_split_blocks
+
+    assert row_parallel_split_blocks(3, 6, 2, 4) is not None  # 12 columns in 4 blocks of 3
+    assert row_parallel_split_blocks(3, 5, 3, 2) is None  # 15 columns: a block across 2.5
+    layout = RowLayout(2 * 64, (96,), ((0, 64), (64, 128), (128, 128), (128, 128)))
+    aligned = NSMatrix(0, layout, tp_partitions=2, tp_partition_dim=1)  # unsplit (64, 192)
+    assert aligned.split_pieces(4) == ((64, 192),)
+    uneven = NSMatrix(0, RowLayout(3 * 64, (5,), ((0, 192),)), tp_partitions=3, tp_partition_dim=1)
+    assert uneven.split_pieces(4) is None  # unsplit (64, 15): 2 blocks would cut partition 1
+    assert dataclasses.replace(uneven, tp_partition_dim=0).split_pieces(4) == ((192, 5),)
+    tall = NSMatrix(0, RowLayout(2 * 64, (8,), ((0, 128),)), tp_partitions=2, tp_partition_dim=1)
+    assert tall.split_pieces(4) is None  # unsplit (64, 16) is split by rows: not a rectangle
+    # One heavy row-parallel matrix and light ones on 4 ranks: its NS is split, as rectangles.
+    light = [
+        NSMatrix(i, RowLayout(16, (16,), ((0, 16), (16, 16), (16, 16), (16, 16))))
+        for i in (1, 2, 3)
+    ]
+    plan = plan_step([aligned, *light], 4, NSConfig(), min_split_flops=0)
+    work = plan.matrices[0].work
+    assert len(work) > 1
+    blocks = row_parallel_split_blocks(64, 96, 2, len(work))
+    assert [(w.row_start, w.row_stop, w.col_start, w.col_stop) for w in work] == blocks

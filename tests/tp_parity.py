@@ -65,6 +65,14 @@ EXPERT_TP2 = Parallelism(tp=1, expert_tp=2, moe=True)
 # Among the tiny GPT's per-head max logits (tests/test_factory_qk_clip.py): some heads clipped.
 DENSE_TP2_QK_CLIP = Parallelism(tp=2, expert_tp=2, moe=False, qk_clip_threshold=0.12)
 
+# The split check (``split_against_duplicated``): the tiny GPT with a gated MLP of 512 (fc1
+# (1024, 64), fc2 (64, 512) unsplit), whose NS FLOPs (5 quintic steps) are linear_fc1 86.5M,
+# linear_fc2 44.6M, linear_qkv 13.1M, linear_proj 7.9M. A split threshold between them lets the
+# plan split fc1 (by rows) and fc2 (a whole TP partition per rank) over 2 grid ranks each at
+# TP 2 x DP 2, and keeps QKV and proj whole.
+SPLIT_MODEL = dict(gated_linear_unit=True, ffn_hidden_size=512)
+SPLIT_MIN_FLOPS = 30_000_000
+
 
 # --------------------------------------------------------------------------------------------------
 # ranks: Megatron-FSDP training with TP
@@ -72,17 +80,22 @@ DENSE_TP2_QK_CLIP = Parallelism(tp=2, expert_tp=2, moe=False, qk_clip_threshold=
 
 
 def train_ranks(
-    rank: int, world_size: int, cases: list[tuple[Parallelism, str]], check_errors: bool = False
+    rank: int,
+    world_size: int,
+    cases: list[tuple[Parallelism, str]],
+    check_errors: bool = False,
+    check_split: bool = False,
 ) -> dict:
     """Trains each ``(parallelism, tp_mode)`` case in turn (harness rank body).
 
-    Returns ``{"runs": [per case], "errors": {...}}``; with ``check_errors``, ``errors`` holds the
-    messages ``build_muon_optimizer`` raises for process groups that do not match the DTensors
-    (dense TP = 2 layout).
+    Returns ``{"runs": [per case], "errors": {...}, "split": {...}}``; with ``check_errors``,
+    ``errors`` holds the messages ``build_muon_optimizer`` raises for process groups that do not
+    match the DTensors (dense TP = 2 layout); with ``check_split``, ``split`` holds
+    ``split_against_duplicated``'s two runs.
     """
     from megatron.core import parallel_state
 
-    out: dict = {"runs": [], "errors": {}}
+    out: dict = {"runs": [], "errors": {}, "split": {}}
     current = None
     try:
         for parallelism, tp_mode in cases:
@@ -90,13 +103,28 @@ def train_ranks(
                 _init(parallelism)
                 current = (parallelism.tp, parallelism.expert_tp)
             out["runs"].append(_train(parallelism, tp_mode))
-        if check_errors:
+        if check_errors or check_split:
             if current != (DENSE_TP2.tp, DENSE_TP2.expert_tp):
                 _init(DENSE_TP2)
+        if check_errors:
             out["errors"] = _group_mismatch_errors()
+        if check_split:
+            out["split"] = split_against_duplicated()
     finally:
         parallel_state.destroy_model_parallel()
     return out
+
+
+def split_against_duplicated() -> dict:
+    """``layer_sharded`` with NS split over grid ranks (``SPLIT_MODEL``, ``SPLIT_MIN_FLOPS``),
+    then ``duplicated`` on the same model fed the first run's reduced gradients step by step, so
+    that each param's update depends on its own gradients only (dense TP = 2 layout).
+
+    Returns ``{"layer_sharded": run, "duplicated": run}`` (``_train``'s records).
+    """
+    split = _train(DENSE_TP2, "layer_sharded", model=SPLIT_MODEL, min_split_flops=SPLIT_MIN_FLOPS)
+    replayed = _train(DENSE_TP2, "duplicated", model=SPLIT_MODEL, replay=split["grads"])
+    return {"layer_sharded": split, "duplicated": replayed}
 
 
 def _init(parallelism: Parallelism) -> None:
@@ -142,18 +170,30 @@ def _group_mismatch_errors() -> dict[str, str]:
     return errors
 
 
-def _train(parallelism: Parallelism, tp_mode: str) -> dict:
+def _train(
+    parallelism: Parallelism,
+    tp_mode: str,
+    *,
+    model: dict | None = None,
+    min_split_flops: int | None = None,
+    replay: list[dict] | None = None,
+) -> dict:
+    """``NUM_STEPS`` steps of the tiny GPT under ``parallelism`` and ``tp_mode``; ``model``:
+    ``TransformerConfig`` overrides; ``min_split_flops``: ``MuonFsdpConfig``'s (None: default);
+    ``replay``: each step's reduced gradients to step with instead of this run's own (another
+    run's ``"grads"``, the same layout)."""
     from megatron.core import parallel_state
 
     from megatron_muon import MuonFsdpConfig, QKClipConfig, ShardedMuon, build_muon_optimizer
 
-    model = gpt_parity.build_gpt(parallelism.moe, **parallelism.config())
-    wrapped = gpt_parity.wrap(model, Run("mcore", "optim_grads_params"), dist.get_world_size())
+    gpt = gpt_parity.build_gpt(parallelism.moe, **parallelism.config(), **(model or {}))
+    wrapped = gpt_parity.wrap(gpt, Run("mcore", "optim_grads_params"), dist.get_world_size())
     named = {gpt_parity._strip(n): p for n, p in wrapped.named_parameters()}
+    split = {} if min_split_flops is None else {"min_split_flops": min_split_flops}
     optimizer = build_muon_optimizer(
         gpt_parity.optimizer_config(muon_tp_mode=tp_mode),
         [wrapped],
-        fsdp_config=MuonFsdpConfig(mode=FSDP_MODE[tp_mode]),
+        fsdp_config=MuonFsdpConfig(mode=FSDP_MODE[tp_mode], **split),
         qk_clip=(
             QKClipConfig(threshold=parallelism.qk_clip_threshold)
             if parallelism.qk_clip_threshold is not None
@@ -174,6 +214,9 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
         )
         loss.backward()
         fsdp.finish_grad_sync()
+        if replay is not None:
+            for name, piece in replay[step].items():
+                named[name].grad.to_local().copy_(piece[-1])
         grads.append({n: _piece(p, p.grad) for n, p in named.items() if p.grad is not None})
         ok, grad_norm, _ = optimizer.step()
         assert ok
@@ -186,6 +229,7 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
     routing = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
     muons = [o for o in optimizer.chained_optimizers if isinstance(o.optimizer, ShardedMuon)]
     return {
+        "split": _split_names(muons, named),
         # This rank's NS FLOPs in the last step (every Muon: dense and expert).
         "ns_flops": sum(o.optimizer.step_stats.ns_flops for o in muons),
         "initial": initial,
@@ -198,6 +242,17 @@ def _train(parallelism: Parallelism, tp_mode: str) -> dict:
         "summary": list(optimizer.summary_lines),
         "stats": stats,
     }
+
+
+def _split_names(muons: list, named: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the params whose NS the Muon optimizers' plans split over ranks."""
+    names = {id(p): n for n, p in named.items()}
+    split = []
+    for wrapper in muons:
+        muon = wrapper.optimizer
+        matrices = [p for g in muon.param_groups for p in g["params"] if p.ndim == 2]
+        split += [names[id(matrices[i])] for i in muon.owner_plan().split_matrices()]
+    return split
 
 
 def _piece(param: torch.Tensor, tensor: torch.Tensor) -> tuple:

@@ -150,19 +150,26 @@ def cost_of(strategy: str, group: GroupInput) -> GroupCost:
     raise ValueError(f"unknown strategy {strategy!r}; known: {STRATEGIES}")
 
 
-def plan_for(group: GroupInput, tp_partitions: Sequence[int] | None = None) -> StepPlan:
+def plan_for(group: GroupInput, tp_partitions: Sequence[tuple[int, int]] | None = None) -> StepPlan:
     """Our plan: ``step_plan.plan_step``, the function ``ShardedMuon`` plans with, on this
-    group's matrices and rows. ``tp_partitions[i] > 1``: matrix ``i`` is a whole TP-split weight
-    assembled on the grid (``--muon-tp-mode layer_sharded``), whose NS is never split, as
-    ``NSMatrix.stock_ns`` says at run time (its shape is already the whole weight's here)."""
+    group's matrices and rows. ``tp_partitions[i] = (count, dim)`` with ``count > 1``: matrix
+    ``i`` is a TP-split weight exchanged over the grid (``--muon-tp-mode layer_sharded``), as
+    ``NSMatrix.tp_partitions`` / ``tp_partition_dim`` say at run time: the whole weight
+    (``dim`` 0) or its stacked partitions (``dim`` 1)."""
     matrices = []
     for i, (matrix, rows) in enumerate(zip(group.matrices, group.rows, strict=True)):
         stops = np.cumsum(rows)
         ranges = tuple(zip((stops - rows).tolist(), stops.tolist(), strict=True))
         layout = RowLayout(matrix.shape[0], (matrix.shape[1],), ranges)
-        parts = tp_partitions[i] if tp_partitions is not None else 1
+        parts, dim = tp_partitions[i] if tp_partitions is not None else (1, 0)
         matrices.append(
-            NSMatrix(i, layout, qkv_split_shapes=_split_shapes(matrix), tp_partitions=parts)
+            NSMatrix(
+                i,
+                layout,
+                qkv_split_shapes=_split_shapes(matrix),
+                tp_partitions=parts,
+                tp_partition_dim=dim,
+            )
         )
     return plan_step(
         matrices,

@@ -13,13 +13,18 @@ and where:
   Bytes: the DP owner exchange of the TP-local rows, plus the TP all-gather on the owners (ring:
   ``tp - 1`` partitions out and in, fp32); peak: plus the gathered matrix.
 - ``layer_sharded``: the owner pool is the whole DP x TP grid (experts: expert DP x expert TP):
-  each whole matrix is assembled once, on one grid rank (never split, as ``ShardedMuon`` runs
-  it), from every partition's row shards, orthogonalized once, and its rows sent back
-  (``step_plan.plan_step`` over the grid on whole shapes; bytes: the whole matrix in and out).
-  A weight every TP rank holds whole (router, MLA down-projections) is planned once over the
-  grid too, its rows taken from TP rank 0's copy and the result sent to every copy. Row-parallel
-  weights (split along columns) hold a rectangle per grid rank; it is counted as the equal number
-  of whole rows (rounded), which moves the bytes by under a row per rank.
+  each whole matrix is assembled once, on one grid rank, from every partition's row shards,
+  orthogonalized once, and its rows sent back; above the split threshold its NS is split over an
+  aligned block of grid ranks as the DP owner step splits (``NSMatrix.split_pieces``: a
+  row-parallel weight where each block is a rectangle of its stacked partitions), as
+  ``ShardedMuon`` runs it (``step_plan.plan_step`` over the grid; bytes: the whole matrix in and
+  out). Column-parallel weights are planned on their whole shape, row-parallel ones on their
+  stacked partitions ``(tp * rows, cols)`` (``tp_grid``), each grid rank holding its DP rank's
+  rows of its partition. A weight every TP rank holds whole (router, MLA down-projections) is
+  planned once over the grid too, its rows taken from TP rank 0's copy and the result sent to
+  every copy. A TP-split weight's rows are laid out over the grid ranks in rank order (rows per
+  rank exact; in the stacked matrix partition ``t``'s rows lie together instead), which moves
+  only where the planner places owners near rows and which rows a split block keeps.
 
 Critical path: ``bucket_schedule.critical_path`` of each optimizer group under its buckets (the
 bound given), the dense group's then the experts' (two optimizer steps one after the other);
@@ -150,15 +155,15 @@ def _group(
     probe = _settings(settings, full, rows, dp)
     ideal = sum(pieces_flops(m.pieces, probe.ns_config) for m in full) / (dp * tp)
     if mode == "layer_sharded":
-        grid = _settings(settings, full, grid_rows(local, rows, tp), dp * tp)
-        # A TP-split weight's NS runs whole on one grid rank, never split (NSMatrix.stock_ns).
-        parts = [tp if m.tp_dim is not None else 1 for m in local]
+        on_grid = [_on_grid(m, tp) for m in local]
+        grid = _settings(settings, on_grid, grid_rows(local, rows, tp), dp * tp)
+        parts = [(tp, m.tp_dim) if m.tp_dim is not None else (1, 0) for m in local]
         step_plan = plan_for(grid, parts)
         cost = owner_exchange("ours", grid, step_plan.owner_plan, step_plan.buckets)
         plan = cost.plan
         assert plan is not None and plan.critical_path is not None
         sent = cost.bytes_sent.copy()
-        for i, matrix in enumerate(full):
+        for i, matrix in enumerate(on_grid):
             if matrix.tp_dim is None and tp > 1:  # results to the other TP ranks' copies too
                 members = plan.members(i)
                 share = matrix.shape[0] * matrix.shape[1] * _FP32 // len(members)
@@ -213,17 +218,28 @@ def _duplicated(group: GroupInput, full: Sequence[Matrix], tp: int, ideal: float
     )  # fmt: skip
 
 
+def _on_grid(matrix: Matrix, tp: int) -> Matrix:
+    """``matrix`` as ``layer_sharded`` exchanges it over the grid: the whole weight
+    (column-parallel, or held whole by every TP rank), or a row-parallel weight's stacked
+    partitions ``(tp * rows, cols)`` (``tp_grid``) with the whole weight's NS pieces."""
+    if matrix.tp_dim != 1 or tp == 1:
+        return matrix.tp_full(tp)
+    rows, cols = matrix.shape
+    return Matrix(matrix.name, (tp * rows, cols), matrix.tp_full(tp).pieces, matrix.unit)
+
+
 def grid_rows(local: Sequence[Matrix], rows: Sequence[np.ndarray], tp: int) -> list[np.ndarray]:
-    """Rows of each whole matrix held by each rank of the ``dp x tp`` grid (rank ``d * tp + t``).
+    """Rows of each matrix as exchanged over the ``dp x tp`` grid (``_on_grid``) held by each
+    grid rank (rank ``d * tp + t``).
 
     Args:
         local: TP-local matrices; ``rows[i][d]`` are the rows of ``local[i]`` DP rank ``d`` holds
             (the same on every TP rank).
 
     Returns:
-        ``result[i][q]`` for grid rank ``q``: a column-parallel matrix's partition ``t`` is rows
-        ``t * local_rows ..`` of the whole; a row-parallel one's rectangle counts as the equal
-        number of whole rows (rounded, tiling the matrix); a weight every TP rank holds whole
+        ``result[i][q]`` for grid rank ``q = d * tp + t``: ``rows[i][d]`` of a TP-split weight
+        (its partition ``t``'s; a column-parallel weight's counted as the whole weight's rows,
+        a row-parallel one's as its stacked partitions'); a weight every TP rank holds whole
         counts as held by TP rank 0's DP ranks (the copies on the other TP ranks only receive
         the result: ``tp_mode_figures`` adds those bytes to the owner's).
     """
@@ -238,12 +254,7 @@ def grid_rows(local: Sequence[Matrix], rows: Sequence[np.ndarray], tp: int) -> l
             grid[:, 0] = held
             out.append(grid.reshape(-1))
             continue
-        # elements per grid rank in (t, d) order, as fractions of a whole row
-        per_row = matrix.shape[1] * (tp if matrix.tp_dim == 1 else 1)
-        elements = np.tile(held * matrix.shape[1], tp)  # index t * dp + d
-        bounds = np.rint(np.concatenate([[0], np.cumsum(elements)]) / per_row).astype(np.int64)
-        counts = np.diff(bounds).reshape(tp, len(held))  # [t, d]
-        out.append(counts.T.reshape(-1))  # grid rank d * tp + t
+        out.append(np.repeat(held, tp))  # grid rank d * tp + t: its partition's rows of DP d
     return out
 
 

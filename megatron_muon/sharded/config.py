@@ -145,6 +145,8 @@ class MuonFsdpConfig:
         min_split_flops: a matrix whose NS costs at least this many FLOPs may have its NS split
             over a small block of ranks when one owner per matrix cannot balance the load
             (``planner.plan_split_owners``; ``MIN_SPLIT_FLOPS``); ``0`` allows splitting any.
+            Under tp_mode layer_sharded a split TP-split matrix's update is exact to the
+            reduction order, not bitwise ``duplicated``'s (``tp_grid``).
         custom_coefficient_sets: the NS ``(a, b, c)`` triples for
             ``MuonConfig.coefficient_type="custom"`` (no flag: Megatron's flags carry none).
         use_syrk: run the standard NS through emerging-optimizers' Triton syrk kernels

@@ -8,7 +8,8 @@ runs Q, K and V apart under QKV split (``qkv``), batches small same-shape NS job
 and counts the FLOPs it runs into the step's ``StepStats``. A matrix whose NS is
 ``TensorParallelMuon``'s (``NSMatrix.stock_ns``: with tensor-parallel collectives, or the unsplit
 matrix of tp_mode ``layer_sharded``) goes whole through the optimizer's ``tensor_parallel``
-callable.
+callable, unless its NS is split (layer_sharded, above the split threshold): then its blocks run
+``split_newton_schulz`` as any split matrix's.
 
 Batching same-shape jobs into one NS call saves per-call overhead but costs a stacking copy of the
 inputs; on one CPU thread it pays only for small matrices (``batch_pays``), so larger ones run one
@@ -29,6 +30,7 @@ from megatron_muon.newton_schulz.split import split_scaled_orthogonalize
 from megatron_muon.sharded.exchange import ExchangeStats
 from megatron_muon.sharded.qkv import join_qkv, split_qkv
 from megatron_muon.sharded.step_plan import MatrixPlan, NSMatrix
+from megatron_muon.sharded.tp_grid import join_partitions, stack_partitions
 
 __all__ = ["NS_SCOPE", "NSRunner", "StepStats", "batch_pays"]
 
@@ -135,24 +137,32 @@ class NSRunner:
         """This rank's block of a matrix whose NS is split over ``group`` (Q, K, V apart).
 
         Collective over ``group``. ``block`` holds rows (tall matrix) or columns (wide matrix, or
-        a QKV param split by columns) ``split_bounds(long side, g)[part]`` of the full matrix.
+        a QKV param split by columns) ``split_bounds(long side, g)[part]`` of the matrix NS runs
+        on (``ns_shape``); for a row-parallel stacked matrix (layer_sharded), those columns as
+        the rectangle of the stacked partitions that holds them (``tp_grid``), joined here.
         """
-        rows, cols = plan.matrix.shape
-        pieces = plan.matrix.pieces
+        matrix = plan.matrix
+        rows, cols = matrix.ns_shape
+        count = 1
+        if matrix.row_parallel:  # the rectangle's partitions side by side: columns of ns_shape
+            count = block.shape[0] * matrix.tp_partitions // matrix.shape[0]
+            block = join_partitions(block, count, 1)
+        pieces = matrix.pieces
         for piece_rows, piece_cols in pieces:
             self.stats.ns_flops += split_ns_flops(
                 piece_rows, piece_cols, self.config.num_ns_steps, plan.split_size, part
             )
-        if len(pieces) == 1:
-            with torch.profiler.record_function(NS_SCOPE):
-                return split_scaled_orthogonalize(block, (rows, cols), group, self.config)
-        shapes = plan.matrix.qkv_split_shapes
         with torch.profiler.record_function(NS_SCOPE):
-            done = [
-                split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
-                for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
-            ]
-        return join_qkv(done, shapes)
+            if len(pieces) == 1:
+                result = split_scaled_orthogonalize(block, (rows, cols), group, self.config)
+            else:
+                shapes = matrix.qkv_split_shapes
+                done = [
+                    split_scaled_orthogonalize(piece, (piece_rows, cols), group, self.config)
+                    for piece, (piece_rows, _) in zip(split_qkv(block, shapes), pieces, strict=True)
+                ]
+                result = join_qkv(done, shapes)
+        return stack_partitions(result, count, 1)
 
     def experts(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalized local expert tensors ``(E, out, in)`` fp32, each expert on its own (all

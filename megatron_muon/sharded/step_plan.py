@@ -18,6 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from megatron_muon.newton_schulz.cost_model import (
+    long_dim,
     pieces_flops,
     split_bounds,
     split_dim_of_pieces,
@@ -34,6 +35,7 @@ from megatron_muon.sharded.planner import (
     plan_split_owners,
 )
 from megatron_muon.sharded.qkv import qkv_pieces
+from megatron_muon.sharded.tp_grid import row_parallel_split_blocks
 
 if TYPE_CHECKING:
     from megatron_muon.sharded.layout import RowLayout
@@ -56,7 +58,9 @@ class WorkBlock:
     """The rectangle of a 2-D matrix one rank orthogonalizes (or its whole matrix).
 
     A matrix with one owner has one block covering it; a matrix whose NS is split over ``g`` ranks
-    has ``g`` blocks along its long dim (``split_newton_schulz``).
+    has ``g`` blocks along its long dim (``split_newton_schulz``); under tp_mode layer_sharded a
+    row-parallel matrix's blocks are rectangles of its stacked partitions
+    (``tp_grid.row_parallel_split_blocks``).
     """
 
     rank: int  # group rank that receives this block and computes on it
@@ -115,10 +119,36 @@ class NSMatrix:
 
     @property
     def stock_ns(self) -> bool:
-        """Its NS is ``TensorParallelMuon``'s on the whole matrix, on one rank (never split):
-        with TP collectives (duplicated, distributed) or unsplit here (layer_sharded); or the
-        optimizer's own orthogonalization (``own_orthogonalize``)."""
+        """Its NS, where one rank runs it whole, is ``TensorParallelMuon``'s: with TP collectives
+        (duplicated, distributed; never split) or on the unsplit matrix (layer_sharded); or the
+        optimizer's own orthogonalization (``own_orthogonalize``, never split)."""
         return self.tp_collectives or self.tp_partitions > 1 or self.own_orthogonalize
+
+    @property
+    def row_parallel(self) -> bool:
+        """Stacked TP partitions that join side by side (layer_sharded, ``partition_dim`` 1)."""
+        return self.tp_partitions > 1 and self.tp_partition_dim == 1
+
+    def split_pieces(self, max_split: int) -> tuple[tuple[int, int], ...] | None:
+        """``pieces`` if its NS may be split over an aligned block of 2, 4, ... ``max_split``
+        ranks, else None: never with TP collectives (they need the whole matrix on one rank) or
+        the optimizer's own orthogonalization (it runs on the whole matrix); a row-parallel
+        stacked matrix only where every such block is a rectangle of it
+        (``tp_grid.row_parallel_split_blocks``: wide or square, not QKV)."""
+        if self.tp_collectives or self.own_orthogonalize:
+            return None
+        if self.row_parallel:
+            rows, cols = self.ns_shape
+            if self.qkv_split_shapes or long_dim(rows, cols) != 1:
+                return None
+            per_partition = cols // self.tp_partitions
+            sizes = (2**e for e in range(1, max_split.bit_length()))
+            if any(
+                row_parallel_split_blocks(rows, per_partition, self.tp_partitions, g) is None
+                for g in sizes
+            ):
+                return None
+        return self.pieces
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
@@ -184,7 +214,7 @@ def plan_step(
 
     Each matrix's cost is its NS FLOPs under ``ns_config`` (the NS-method registry). Where the
     method is splittable (``NSConfig.splittable``), ``planner.plan_split_owners`` may split the NS
-    of matrices costing at least ``min_split_flops`` (and not ``NSMatrix.stock_ns``)
+    of matrices costing at least ``min_split_flops`` (where ``NSMatrix.split_pieces`` allows)
     over up to ``max_split`` ranks, pricing split traffic at ``flops_per_byte``
     (``element_bytes`` per element); otherwise ``planner.plan_owners`` gives each matrix one
     owner (largest cost first onto the least-loaded rank).
@@ -211,7 +241,7 @@ def plan_step(
         owner_plan = plan_split_owners(
             costs,
             group_size,
-            [None if m.stock_ns else m.pieces for m in matrices],
+            [m.split_pieces(max_split) for m in matrices],
             ns_config.num_ns_steps,
             max_split=max_split,
             min_split_cost=min_split_flops,
@@ -278,6 +308,13 @@ def _work_blocks(plan: OwnerPlan, m: int, matrix: NSMatrix) -> tuple[WorkBlock, 
         return (WorkBlock.whole(plan.owners[m], matrix.layout),)
     rows, cols = matrix.shape
     members = list(plan.members(m))
+    if matrix.row_parallel:  # rectangles of the stacked partitions (tp_grid)
+        unsplit_rows, unsplit_cols = matrix.ns_shape
+        blocks = row_parallel_split_blocks(
+            unsplit_rows, unsplit_cols // matrix.tp_partitions, matrix.tp_partitions, size
+        )
+        assert blocks is not None  # NSMatrix.split_pieces allowed the split
+        return tuple(WorkBlock(rank, *block) for rank, block in zip(members, blocks, strict=True))
     if split_dim_of_pieces(matrix.pieces) == 0:
         return tuple(
             WorkBlock(rank, start, stop, 0, cols)

@@ -8,7 +8,8 @@ whole matrix and run the same NS (TP times the work); ``layer_sharded`` (Megatro
 its open PR #6676/#6683) makes the whole grid one owner pool: each unsplit matrix is assembled on
 one owner rank of the grid from every rank's rows, orthogonalized once with
 ``TensorParallelMuon``'s own NS (no collective inside NS), and each rank gets its rows back.
-Bitwise the update of ``duplicated`` (the same full matrix, the same NS call, the same scale).
+Bitwise the update of ``duplicated`` (the same full matrix, the same NS call, the same scale),
+except for the matrices whose NS the plan splits over several grid ranks (below).
 
 How it reuses the row exchange (``exchange.OwnerExchange``), the planner and the buckets: every
 2-D param gets a *stacked* matrix whose row layout over the grid group is known from the
@@ -29,7 +30,19 @@ Grid rank ``g`` of a stacked matrix holds rows ``[t_g * rows + start, t_g * rows
 - ``grid_ranks``: the grid of an optimizer's params (None where no param is split by TP);
 - ``GridLayouts.gather``: the grid group, and each param's stacked layout and TP partitions;
 - ``join_partitions`` / ``stack_partitions``: stacked <-> unsplit matrix (pure);
-- ``orthogonalize_unsplit``: NS of the unsplit matrix with Q, K and V apart under QKV split.
+- ``orthogonalize_unsplit``: NS of the unsplit matrix with Q, K and V apart under QKV split;
+- ``row_parallel_split_blocks``: where the blocks of a split NS (``split_newton_schulz``) of a
+  row-parallel unsplit matrix lie in its stacked matrix (pure).
+
+Splitting a matrix's NS over a block of grid ranks (above the split threshold,
+``planner.plan_split_owners``) runs ``split_newton_schulz`` on blocks of the unsplit matrix along
+its long dim, as the data-parallel owner step splits. For a column-parallel matrix the stacked
+matrix is the unsplit one, so its blocks are its own. For a row-parallel one (wide or square:
+split by columns) each block is a rectangle of the stacked matrix where it lies in one partition
+or is made of whole partitions (``row_parallel_split_blocks``); such a block's partitions are
+joined side by side before the split NS and stacked again after. A split NS sums its Gram
+matrices over the block's ranks, so it equals ``duplicated``'s NS to the reduction order only;
+every matrix whose NS is not split is bitwise ``duplicated``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from megatron_muon.newton_schulz.cost_model import split_bounds
 from megatron_muon.sharded.layout import (
     RowLayout,
     TensorParallelSplit,
@@ -56,6 +70,7 @@ __all__ = [
     "grid_ranks",
     "join_partitions",
     "orthogonalize_unsplit",
+    "row_parallel_split_blocks",
     "stack_partitions",
 ]
 
@@ -198,3 +213,32 @@ def orthogonalize_unsplit(
         return scaled_orthogonalize(unsplit)
     pieces = split_qkv(unsplit, qkv_split_shapes)
     return join_qkv([scaled_orthogonalize(piece) for piece in pieces], qkv_split_shapes)
+
+
+def row_parallel_split_blocks(
+    rows: int, cols: int, partitions: int, num_parts: int
+) -> list[tuple[int, int, int, int]] | None:
+    """Where each block of a split NS of a row-parallel unsplit matrix lies in its stacked matrix.
+
+    The unsplit matrix ``(rows, partitions * cols)`` is split by columns into
+    ``split_bounds(partitions * cols, num_parts)``; partition ``t`` is rows
+    ``[t * rows, (t + 1) * rows)`` of the stacked ``(partitions * rows, cols)`` matrix. Pure.
+
+    Returns:
+        ``(row_start, row_stop, col_start, col_stop)`` in the stacked matrix of each block: a
+        column range of one partition, or whole partitions ``t0 .. t1 - 1`` (rows
+        ``[t0 * rows, t1 * rows)``, every column; ``join_partitions`` of its ``t1 - t0``
+        partitions is the block). None where a block is neither, or is empty.
+    """
+    blocks = []
+    for lo, hi in split_bounds(partitions * cols, num_parts):
+        if hi <= lo:
+            return None
+        first, last = lo // cols, (hi - 1) // cols
+        if first == last:
+            blocks.append((first * rows, (first + 1) * rows, lo - first * cols, hi - first * cols))
+        elif lo % cols == 0 and hi % cols == 0:
+            blocks.append((first * rows, (last + 1) * rows, 0, cols))
+        else:
+            return None
+    return blocks
