@@ -8,15 +8,16 @@ megatron-muon's (docs/megatron_bridge.md)::
 ``tiny_gpt_config`` is a recipe of that kind, small enough for CPU ranks (2 layers, hidden 64, mock
 data, the local layer spec); a real recipe (``megatron.bridge.recipes...``) takes the same line.
 Run it with ``torchrun --nproc-per-node 2 examples/bridge_pretrain_gpt.py --optimizer muon``
-(``--optimizer dist_muon`` is the name Bridge's Muon recipes use: the same Muon here); without a
-GPU, from ``make test-bridge``'s environment (``.venv-bridge``: Bridge imports Transformer Engine,
-which that environment stands in for).
+(``--optimizer dist_muon`` is the name Bridge's Muon recipes use: the same Muon here;
+``adaptive_muon`` and ``lion`` are megatron-muon's other optimizers, at megatron-core's default
+settings); without a GPU, from ``make test-bridge``'s environment (``.venv-bridge``: Bridge
+imports Transformer Engine, which that environment stands in for).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
@@ -159,10 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from megatron_muon.common.options import FsdpOptimizerT
     from megatron_muon.integrations.megatron_bridge import MuonFsdpOptimizerConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--optimizer", default="muon", choices=["muon", "dist_muon", "adam"])
+    optimizers = [*get_args(FsdpOptimizerT), "dist_muon", "adam"]
+    parser.add_argument("--optimizer", default="muon", choices=optimizers)
     parser.add_argument(
         "--data-parallel-sharding-strategy",
         default="optim_grads_params",

@@ -1,4 +1,4 @@
-"""Muon on Megatron-FSDP in Megatron-Bridge recipes: one optimizer config.
+"""Muon (and megatron-muon's other optimizers) on Megatron-FSDP in Megatron-Bridge recipes.
 
 Megatron-Bridge's ``setup_optimizer`` (``megatron/bridge/training/optim.py``) builds the optimizer
 through ``optimizer_config.provide(...)`` whenever the config has that method (Bridge's extension
@@ -14,13 +14,18 @@ A recipe sets, in one line::
 ``MuonFsdpOptimizerConfig`` is Bridge's ``OptimizerConfig`` plus ``muon_fsdp`` (megatron-muon's
 ``MuonFsdpConfig``: mode, buckets, NS method, momentum offload). Its ``provide``:
 
-- ``optimizer`` "muon" or "dist_muon" with a Megatron-FSDP model: megatron-muon's exact Muon
-  (``build_muon_optimizer``, state in Bridge's ``fsdp_dtensor`` checkpoints; Bridge's ``train_step``
-  reduces gradients before ``step()``, hence ``grads_already_synced``). fp16 is refused there.
+- ``optimizer`` one of ``common.options.FsdpOptimizerT`` ("muon", "adaptive_muon", "lion", ...),
+  or that name with megatron-core's legacy "dist_" prefix ("dist_muon": Bridge's Muon recipes),
+  with a Megatron-FSDP model: megatron-muon's optimizer (``build_muon_optimizer``: exact Muon or
+  AdaptiveMuon with its ``adaptive_muon_*`` fields, or Lion; state in Bridge's ``fsdp_dtensor``
+  checkpoints; Bridge's ``train_step`` reduces gradients before ``step()``, hence
+  ``grads_already_synced``). fp16 is refused there.
 - "adam" with Megatron-FSDP: megatron-core's optimizer, with every param's Adam state created on
   every rank at build (``checkpoint_guard.make_adam_state_rank_symmetric``): stock, a rank holding
-  no rows of a param gets no lazy state and the ``fsdp_dtensor`` save hangs.
-- anything else (no Megatron-FSDP, other optimizers): what Bridge itself would build.
+  no rows of a param gets no lazy state and the ``fsdp_dtensor`` save hangs. "sgd": Bridge's.
+- any other name with Megatron-FSDP (an emerging optimizer megatron-muon does not run on
+  Megatron-FSDP's row shards): refused at build, naming it and the names that are built.
+- no Megatron-FSDP: what Bridge itself would build.
 
 MuonClip: with the model's ``qk_clip`` on (Bridge's model-provider fields ``qk_clip``,
 ``qk_clip_threshold``, ``qk_clip_alpha``, the one place it is set), megatron-muon's ``QKClip``
@@ -45,11 +50,12 @@ import functools
 import importlib
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
+from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.integrations import megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
@@ -57,18 +63,23 @@ from megatron_muon.integrations.megatron_version import check_megatron_core_vers
 from megatron_muon.sharded.config import MuonFsdpConfig
 
 __all__ = [
-    "MUON_OPTIMIZERS",
+    "STOCK_OPTIMIZERS",
     "SUPPORTED_MEGATRON_BRIDGE",
     "MuonFsdpOptimizerConfig",
     "check_megatron_bridge_version",
+    "fsdp_optimizer_name",
     "install",
     "muon_fsdp_with_cosine_annealing",
 ]
 
 # The Megatron-Bridge versions whose optim.py, train.py and initialize.py were read.
 SUPPORTED_MEGATRON_BRIDGE = "==0.6.2"
-# Bridge's Muon names (its recipes' helper makes "dist_muon"): megatron-muon's Muon under FSDP.
-MUON_OPTIMIZERS = ("muon", "dist_muon")
+# megatron-core's standard optimizers (its path for non-emerging names): built by megatron-core
+# under Megatron-FSDP too. Every other name is megatron-muon's (``FsdpOptimizerT``) or refused.
+STOCK_OPTIMIZERS = ("adam", "sgd")
+# megatron-core's legacy prefix of a layer-wise distributed emerging optimizer ("dist_muon", which
+# Bridge's Muon recipes set): on Megatron-FSDP, megatron-muon's sharded optimizer of the bare name.
+_DIST_PREFIX = "dist_"
 
 _INSTALLED = False
 # Model chunks whose QK-clip megatron-muon's step runs -> that optimizer (Bridge's clip_qk skips).
@@ -141,8 +152,11 @@ def _bridge_optimizer_config() -> type:
 
 @dataclasses.dataclass
 class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]  # Bridge: untyped
-    """Bridge's ``OptimizerConfig`` whose ``provide`` builds megatron-muon's Muon under
-    Megatron-FSDP (module docstring).
+    """Bridge's ``OptimizerConfig`` whose ``provide`` builds megatron-muon's optimizer
+    (``fsdp_optimizer_name``: Muon, AdaptiveMuon, Lion) under Megatron-FSDP (module docstring).
+
+    The optimizer's own settings are the inherited megatron-core fields (``muon_*``,
+    ``adaptive_muon_moment2_method`` / ``_beta2`` / ``_eps``, ``lion_beta1`` / ``_beta2``).
 
     Attributes:
         muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); QK-clip comes from the model's
@@ -176,8 +190,9 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
         """The optimizer Bridge's ``setup_optimizer`` asks for (Bridge's extension point)."""
         chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
         fsdp = uses_megatron_fsdp(chunks)
-        if fsdp and self.optimizer in MUON_OPTIMIZERS:
-            return self._muon(chunks, config_overrides, pg_collection)
+        ours = fsdp_optimizer_name(self.optimizer) if fsdp else None
+        if ours is not None:
+            return self._ours(ours, chunks, config_overrides, pg_collection)
         optimizer = self._bridge_default(
             chunks, config_overrides, use_gloo_process_groups, pg_collection
         )
@@ -185,11 +200,14 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
             make_adam_state_rank_symmetric(optimizer)
         return optimizer
 
-    def _muon(self, chunks: Sequence[Any], config_overrides: Any, pg_collection: Any) -> Any:
+    def _ours(
+        self, name: str, chunks: Sequence[Any], config_overrides: Any, pg_collection: Any
+    ) -> Any:
+        """megatron-muon's ``name`` (an ``FsdpOptimizerT`` value) for Megatron-FSDP ``chunks``."""
         from megatron_muon.fsdp.factory import build_muon_optimizer
 
         config = copy.copy(self)
-        config.optimizer = "muon"
+        config.optimizer = name
         qk_clip = _model_qk_clip(chunks[0].config)
         optimizer = build_muon_optimizer(
             config,
@@ -225,6 +243,29 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
         return get_megatron_muon_optimizer(
             **kwargs, layer_wise_distributed_optimizer="dist" in self.optimizer
         )
+
+
+def fsdp_optimizer_name(optimizer: str) -> str | None:
+    """The ``FsdpOptimizerT`` value megatron-muon builds for Bridge's ``optimizer`` on a
+    Megatron-FSDP model ("dist_<name>" is <name>), or None for megatron-core's own
+    (``STOCK_OPTIMIZERS``).
+
+    Raises:
+        ValueError: any other name, naming it: megatron-muon does not run it exactly on
+            Megatron-FSDP's row shards, and megatron-core's emerging-optimizer path does not
+            support Megatron-FSDP.
+    """
+    if optimizer in STOCK_OPTIMIZERS:
+        return None
+    ours = get_args(FsdpOptimizerT)
+    name = optimizer.removeprefix(_DIST_PREFIX)
+    if name in ours:
+        return name
+    raise ValueError(
+        f"MuonFsdpOptimizerConfig: optimizer={optimizer!r} is not built for Megatron-FSDP; "
+        f"megatron-muon builds {ours} (also with the {_DIST_PREFIX!r} prefix) and megatron-core "
+        f"{STOCK_OPTIMIZERS}"
+    )
 
 
 def _model_qk_clip(model_config: Any) -> QKClipConfig | None:

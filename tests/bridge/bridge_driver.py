@@ -1,9 +1,14 @@
 """One Megatron-Bridge ``pretrain`` run of ``examples/bridge_pretrain_gpt.py``'s tiny GPT (tests).
 
 Launched by ``tests/bridge/test_bridge_pretrain.py`` under torchrun; its one argument is a JSON
-object:
+object, or a list of them run one after another in the same processes (each run starts with a
+``BRIDGE_RUN`` line). For a list the driver creates the default process group itself, so that
+Bridge keeps it between runs and destroys only its parallel state: a second
+``init_process_group`` in the same torchrun processes reads the first one's stale gloo addresses
+from torchrun's store (group keys restart at 0) and fails with "Connection refused":
 
-- ``optimizer``: "muon", "dist_muon" or "adam";
+- ``optimizer``: "muon", "dist_muon", "adaptive_muon", "lion" or "adam";
+- ``optimizer_fields``: fields set on the optimizer config (e.g. ``adaptive_muon_beta2``);
 - ``integration``: false for Bridge's own ``OptimizerConfig``, with
   ``megatron_muon.integrations.megatron_bridge`` never imported (the CPU stand-ins and the
   dataset-helpers fix are then applied directly);
@@ -12,7 +17,9 @@ object:
 - ``model``: fields set on the model provider, e.g. ``qk_clip``;
 - the rest: ``tiny_gpt_config``'s keywords.
 
-Rank 0 prints ``BRIDGE_OPTIMIZER`` and the optimizer's class at the start; after each iteration
+Rank 0 prints ``BRIDGE_OPTIMIZER`` and the optimizer's class at the start, ``BRIDGE_SUB_OPTIMIZERS``
+and a JSON list of its sub-optimizers (class, ``moment2_method``, first param group's ``beta2``,
+``eps``, ``betas``) when it is megatron-muon's; after each iteration
 ``BRIDGE_STEP`` and a JSON object (iteration, ``lm loss``, grad norm at full precision: Bridge's
 log rounds the norm); at the end how often Bridge's own ``clip_qk`` ran
 (``BRIDGE_CLIP_QK_CALLS``). Every rank prints the end marker.
@@ -31,6 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
 STEP_MARKER = "BRIDGE_STEP "
 OPTIMIZER_MARKER = "BRIDGE_OPTIMIZER "
+SUB_OPTIMIZERS_MARKER = "BRIDGE_SUB_OPTIMIZERS "
+RUN_MARKER = "BRIDGE_RUN "
 INTEGRATION = "megatron_muon.integrations.megatron_bridge"
 
 
@@ -58,7 +67,10 @@ def _optimizer_config(spec: dict[str, Any]) -> Any:
     )
 
     if not spec.get("recipe"):
-        return MuonFsdpOptimizerConfig.from_config(tiny_gpt_optimizer(spec["optimizer"]))
+        config = MuonFsdpOptimizerConfig.from_config(tiny_gpt_optimizer(spec["optimizer"]))
+        for name, value in spec.get("optimizer_fields", {}).items():
+            setattr(config, name, value)
+        return config
     optimizer, _ = muon_fsdp_with_cosine_annealing(
         precision="fp32",
         max_lr=1e-2,
@@ -88,11 +100,43 @@ def _count_bridge_clip_qk() -> None:
     train.clip_qk = counted
 
 
+def _sub_optimizers(optimizer: Any) -> list[dict[str, Any]]:
+    """Each sub-optimizer's class and the settings its first param group holds."""
+    found = []
+    for sub in getattr(optimizer, "chained_optimizers", []):
+        inner = sub.optimizer
+        group = inner.param_groups[0]
+        found.append(
+            {
+                "class": type(inner).__name__,
+                "moment2_method": getattr(inner, "moment2_method", None),
+                **{key: group[key] for key in ("beta2", "eps", "betas") if key in group},
+            }
+        )
+    return found
+
+
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    specs = json.loads(sys.argv[1])
+    specs = specs if isinstance(specs, list) else [specs]
     _count_bridge_clip_qk()
-    if not spec.get("integration", True):
+    if any(not spec.get("integration", True) for spec in specs):
         _without_integration()
+    if len(specs) > 1:
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    for index, spec in enumerate(specs):
+        _run(index, spec)
+    imported = INTEGRATION in sys.modules
+    print(f"BRIDGE_INTEGRATION_IMPORTED {json.dumps(imported)}", flush=True)
+    from tests.torchrun import DONE_MARKER
+
+    print(DONE_MARKER, flush=True)
+
+
+def _run(index: int, spec: dict[str, Any]) -> None:
+    """Bridge's ``pretrain`` of ``spec`` (module docstring)."""
+    print(f"{RUN_MARKER}{index}", flush=True)
+    _CLIP_QK_CALLS[0] = 0
     from bridge_pretrain_gpt import tiny_gpt_config
     from megatron.bridge.training.callbacks import Callback
     from megatron.bridge.training.gpt_step import forward_step
@@ -102,6 +146,8 @@ def main() -> None:
         def on_train_start(self, context: Any) -> None:
             if torch.distributed.get_rank() == 0:
                 print(OPTIMIZER_MARKER + type(context.optimizer).__name__, flush=True)
+                subs = _sub_optimizers(context.optimizer)
+                print(SUB_OPTIMIZERS_MARKER + json.dumps(subs), flush=True)
 
         def on_train_step_end(self, context: Any) -> None:
             if torch.distributed.get_rank() == 0:
@@ -112,19 +158,14 @@ def main() -> None:
                 }
                 print(STEP_MARKER + json.dumps(step), flush=True)
 
-    own = ("optimizer", "integration", "recipe", "model")
+    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model")
     cfg = tiny_gpt_config(
         _optimizer_config(spec), **{k: v for k, v in spec.items() if k not in own}
     )
     for name, value in spec.get("model", {}).items():
         setattr(cfg.model, name, value)
     pretrain(cfg, forward_step, callbacks=[Record()])
-    imported = INTEGRATION in sys.modules
-    print(f"BRIDGE_INTEGRATION_IMPORTED {json.dumps(imported)}", flush=True)
     print(f"BRIDGE_CLIP_QK_CALLS {_CLIP_QK_CALLS[0]}", flush=True)
-    from tests.torchrun import DONE_MARKER
-
-    print(DONE_MARKER, flush=True)
 
 
 if __name__ == "__main__":

@@ -62,3 +62,27 @@ def test_another_megatron_bridge_version_is_refused_naming_the_range(
     monkeypatch.setattr("importlib.metadata.version", lambda name: "0.7.0")
     with pytest.raises(RuntimeError, match=r"megatron-bridge ==0\.6\.2.*0\.7\.0 is installed"):
         megatron_bridge.check_megatron_bridge_version()
+
+
+def test_fsdp_optimizer_names_are_fsdp_optimizer_t_with_or_without_dist_prefix() -> None:
+    """Under Megatron-FSDP ``provide`` builds megatron-muon's optimizer for every
+    ``FsdpOptimizerT`` value (also "dist_<name>", megatron-core's legacy layer-wise spelling that
+    Bridge's Muon recipes set) and leaves megatron-core's standard optimizers to megatron-core."""
+    from typing import get_args
+
+    from megatron_muon.common.options import FsdpOptimizerT
+    from megatron_muon.integrations.megatron_bridge import fsdp_optimizer_name
+
+    for name in get_args(FsdpOptimizerT):
+        assert fsdp_optimizer_name(name) == name
+        assert fsdp_optimizer_name(f"dist_{name}") == name
+    assert fsdp_optimizer_name("adam") is None
+    assert fsdp_optimizer_name("sgd") is None
+
+
+@pytest.mark.parametrize("name", ["polargrad", "dist_polargrad", "adamw", "dist_adam"])
+def test_an_optimizer_megatron_muon_does_not_build_is_refused_by_name(name: str) -> None:
+    from megatron_muon.integrations.megatron_bridge import fsdp_optimizer_name
+
+    with pytest.raises(ValueError, match=rf"optimizer='{name}' is not built for Megatron-FSDP"):
+        fsdp_optimizer_name(name)

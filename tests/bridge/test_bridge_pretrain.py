@@ -2,13 +2,18 @@
 
 Every launch is Bridge's own training loop on CPU/gloo ranks (``tests/bridge/bridge_driver.py``
 runs ``examples/bridge_pretrain_gpt.py``'s tiny GPT, 6 iterations), reading each iteration's
-loss and grad norm at full precision. These tests need Megatron-Bridge: ``make test-bridge`` runs
-them in ``.venv-bridge`` (``scripts/setup_bridge_venv.sh``); elsewhere they are skipped.
+loss and grad norm at full precision. megatron-muon's other optimizers (``FsdpOptimizerT``
+besides Muon) run in launches the Muon tests make anyway, one after Muon's run in the same
+processes: at DP=1 in the reference launch, at DP=2 in one strategy test's launch each
+(``SHARED_STRATEGY``), so that each adds two runs and no launch. These tests need
+Megatron-Bridge: ``make test-bridge`` runs them in ``.venv-bridge``
+(``scripts/setup_bridge_venv.sh``); elsewhere they are skipped.
 
 Tolerances: Newton-Schulz runs with fp32 "highest" matmuls on both sides, so DP=2 differs from
 DP=1 only by reduction order (the gradient reduce over 2 ranks, the loss averaged over 2 x 2
-micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6. A resumed run, and Adam with and
-without the integration, compute the same operations in the same order: bitwise.
+micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6 for Muon, 1.0e-7 for AdaptiveMuon
+(NorMuon) and 8.9e-8 for Lion (``-s`` prints them). A resumed run, and Adam with and without the
+integration, compute the same operations in the same order: bitwise.
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ import json
 import math
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
-from tests.torchrun import MegatronRun, run_megatron
+from megatron_muon.common.options import FsdpOptimizerT
+from tests.torchrun import run_megatron
 
 DRIVER = Path(__file__).with_name("bridge_driver.py")
 STEP_MARKER = "BRIDGE_STEP "
 OPTIMIZER_MARKER = "BRIDGE_OPTIMIZER "
+SUB_OPTIMIZERS_MARKER = "BRIDGE_SUB_OPTIMIZERS "
+RUN_MARKER = "BRIDGE_RUN "
 ITERS = 6
 SAVED_AT = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -36,6 +45,23 @@ DP_RTOL = 1e-5
 OURS = "MegatronCheckpointedOptimizer"
 # Below every head's max logit of the tiny GPT at its first steps (0.06 to 0.14): heads clip.
 QK_CLIP_THRESHOLD = 0.05
+
+# megatron-muon's optimizers besides Muon: a new FsdpOptimizerT value is tested here as it
+# appears there. Each runs at DP=2 after Muon in the launch of one of the first three strategy
+# tests, in turn from "optim" (optim_grads_params's launch saves the checkpoint that the resume
+# test reads, and stays as it is).
+EMERGING = tuple(name for name in get_args(FsdpOptimizerT) if name != "muon")
+SHARED_STRATEGY = {name: STRATEGIES[(i + 1) % 3] for i, name in enumerate(EMERGING)}
+# Each one's own settings, other than megatron-core's defaults, set on the Bridge config (the
+# tests check that they reach the optimizer); Lion at a Lion-sized lr.
+OPTIMIZER_FIELDS: dict[str, dict[str, Any]] = {
+    "adaptive_muon": {
+        "adaptive_muon_moment2_method": "normuon",
+        "adaptive_muon_beta2": 0.9,
+        "adaptive_muon_eps": 1e-7,
+    },
+    "lion": {"lion_beta1": 0.9, "lion_beta2": 0.99, "lr": 3e-3, "min_lr": 3e-4},
+}
 
 pytestmark = [
     pytest.mark.multirank,
@@ -49,34 +75,78 @@ pytestmark = [
 _CHECKPOINTS = Path(tempfile.mkdtemp(prefix="mm_bridge_ckpt_"))
 
 
+@dataclass(frozen=True)
+class BridgeRun:
+    """What rank 0 printed during one ``pretrain`` of a launch."""
+
+    output: str
+
+
 @functools.cache
-def _launch(spec_json: str, nproc: int) -> MegatronRun:
-    return run_megatron(
-        [spec_json], nproc=nproc, timeout=240, entry=[str(DRIVER)], entry_prints_done_marker=True
+def _launch(specs_json: str, nproc: int) -> tuple[BridgeRun, ...]:
+    run = run_megatron(
+        [specs_json], nproc=nproc, timeout=300, entry=[str(DRIVER)], entry_prints_done_marker=True
     )
+    parts = re.split(rf"^{RUN_MARKER}\d+$", run.rank_outputs[0], flags=re.MULTILINE)
+    # Before the first run: the launch's start; the last run's part ends with the launch's end.
+    return tuple(BridgeRun(part) for part in parts[1:])
 
 
-def bridge_run(nproc: int = 2, **spec: Any) -> MegatronRun:
-    """One launch (cached: several tests read the same run) of ``spec`` on ``nproc`` ranks."""
-    spec = {"optimizer": "muon", "train_iters": ITERS, **spec}
-    return _launch(json.dumps(spec, sort_keys=True), nproc)
+def bridge_runs(nproc: int, *specs: dict[str, Any]) -> tuple[BridgeRun, ...]:
+    """One launch (cached: several tests read the same runs) of ``specs`` on ``nproc`` ranks, one
+    ``pretrain`` after another."""
+    full = [{"optimizer": "muon", "train_iters": ITERS, **spec} for spec in specs]
+    runs = _launch(json.dumps(full, sort_keys=True), nproc)
+    assert len(runs) == len(specs), "a BRIDGE_RUN line per spec"
+    return runs
 
 
-def steps(run: MegatronRun) -> list[dict[str, float]]:
+def bridge_run(nproc: int = 2, **spec: Any) -> BridgeRun:
+    """One launch of one ``spec`` on ``nproc`` ranks."""
+    return bridge_runs(nproc, spec)[0]
+
+
+def emerging_spec(name: str) -> dict[str, Any]:
+    return {"optimizer": name, "optimizer_fields": OPTIMIZER_FIELDS.get(name, {})}
+
+
+def dp1_runs() -> dict[str, BridgeRun]:
+    """The DP=1 references, Muon's and each of ``EMERGING``'s, from one launch."""
+    runs = bridge_runs(1, {}, *(emerging_spec(name) for name in EMERGING))
+    return dict(zip(("muon", *EMERGING), runs, strict=True))
+
+
+def strategy_runs(strategy: str) -> dict[str, BridgeRun]:
+    """Muon at DP=2 under ``strategy`` (not optim_grads_params), then the ``EMERGING`` optimizers
+    sharing this launch (``SHARED_STRATEGY``), from one launch."""
+    names = ("muon", *(name for name in EMERGING if SHARED_STRATEGY[name] == strategy))
+    specs = [{}] + [emerging_spec(name) for name in names[1:]]
+    specs = [{**spec, "data_parallel_sharding_strategy": strategy} for spec in specs]
+    return dict(zip(names, bridge_runs(2, *specs), strict=True))
+
+
+def steps(run: BridgeRun) -> list[dict[str, float]]:
     """Rank 0's ``BRIDGE_STEP`` objects, in iteration order."""
-    lines = run.rank_outputs[0].splitlines()
+    lines = run.output.splitlines()
     found = [json.loads(line[len(STEP_MARKER) :]) for line in lines if line.startswith(STEP_MARKER)]
     return sorted(found, key=lambda step: step["iteration"])
 
 
-def optimizer_class(run: MegatronRun) -> str:
-    lines = run.rank_outputs[0].splitlines()
-    return next(
-        line[len(OPTIMIZER_MARKER) :] for line in lines if line.startswith(OPTIMIZER_MARKER)
-    )
+def marked(run: BridgeRun, marker: str) -> str:
+    """The rest of rank 0's first line starting with ``marker``."""
+    return next(line[len(marker) :] for line in run.output.splitlines() if line.startswith(marker))
 
 
-def uninterrupted_run() -> MegatronRun:
+def optimizer_class(run: BridgeRun) -> str:
+    return marked(run, OPTIMIZER_MARKER)
+
+
+def sub_optimizers(run: BridgeRun) -> list[dict[str, Any]]:
+    """The driver's ``BRIDGE_SUB_OPTIMIZERS``: class and settings of each sub-optimizer."""
+    return json.loads(marked(run, SUB_OPTIMIZERS_MARKER))
+
+
+def uninterrupted_run() -> BridgeRun:
     """DP=2, optim_grads_params, saving at iteration 3 on its way to 6."""
     return bridge_run(save=str(_CHECKPOINTS / "muon"), save_interval=SAVED_AT)
 
@@ -94,11 +164,9 @@ def assert_close_steps(actual: list[dict[str, float]], expected: list[dict[str, 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_muon_at_dp2_equals_dp1_under_each_sharding_strategy(strategy: str) -> None:
-    reference = steps(bridge_run(nproc=1))
+    reference = steps(dp1_runs()["muon"])
     run = (
-        uninterrupted_run()
-        if strategy == "optim_grads_params"
-        else bridge_run(data_parallel_sharding_strategy=strategy)
+        uninterrupted_run() if strategy == "optim_grads_params" else strategy_runs(strategy)["muon"]
     )
     assert optimizer_class(run) == OURS
     assert len(reference) == ITERS
@@ -120,15 +188,15 @@ def test_dist_muon_recipe_config_trains_megatron_muon() -> None:
     updates as ``"muon"`` with the same settings."""
     run = bridge_run(recipe=True, optimizer="dist_muon")
     assert optimizer_class(run) == OURS
-    assert "megatron-muon Muon[dense]" in run.rank_outputs[0]
+    assert "megatron-muon Muon[dense]" in run.output
     assert_close_steps(steps(run), steps(uninterrupted_run()))
 
 
 def test_adam_logs_the_same_lines_with_and_without_the_integration() -> None:
     stock = bridge_run(optimizer="adam", integration=False)
     ours = bridge_run(optimizer="adam", save=str(_CHECKPOINTS / "adam"), save_interval=ITERS)
-    assert "BRIDGE_INTEGRATION_IMPORTED false" in stock.rank_outputs[0]
-    assert "BRIDGE_INTEGRATION_IMPORTED true" in ours.rank_outputs[0]
+    assert "BRIDGE_INTEGRATION_IMPORTED false" in stock.output
+    assert "BRIDGE_INTEGRATION_IMPORTED true" in ours.output
     assert len(steps(stock)) == ITERS
     assert steps(ours) == steps(stock)
     # Stock Bridge + Adam hangs in this save at DP=2 (a rank without rows of a param has no lazy
@@ -141,10 +209,50 @@ def test_model_qk_clip_runs_megatron_muon_clip_and_skips_bridges_clip_qk() -> No
     clips the main weights' row shards after each step; Bridge's ``clip_qk`` (compute weights)
     must not run on top of it."""
     run = bridge_run(model={"qk_clip": True, "qk_clip_threshold": QK_CLIP_THRESHOLD})
-    output = run.rank_outputs[0]
+    output = run.output
     assert f"megatron-muon QK-clip: threshold {QK_CLIP_THRESHOLD} on 2 attention layers" in output
     clipped = [int(n) for n in re.findall(r"^QK-clip: (\d+) heads clipped", output, re.MULTILINE)]
     assert len(clipped) == ITERS and all(clipped), clipped
     assert "BRIDGE_CLIP_QK_CALLS 0" in output
     losses = [s["lm loss"] for s in steps(run)]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("name", EMERGING)
+def test_emerging_optimizer_at_dp2_equals_dp1(name: str) -> None:
+    """Each of megatron-muon's other optimizers, from ``MuonFsdpOptimizerConfig(optimizer=name)``,
+    trains megatron-muon's sharded optimizer through Bridge's loop, equal at DP=2 (under
+    ``SHARED_STRATEGY[name]``) and DP=1."""
+    reference = dp1_runs()[name]
+    run = strategy_runs(SHARED_STRATEGY[name])[name]
+    for each in (reference, run):
+        assert optimizer_class(each) == OURS
+        assert len(steps(each)) == ITERS
+    assert_close_steps(steps(run), steps(reference))
+    losses = [s["lm loss"] for s in steps(run)]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_adaptive_muon_takes_its_moment2_settings_from_the_bridge_config() -> None:
+    """``adaptive_muon_moment2_method`` / ``_beta2`` / ``_eps`` of the Bridge config (megatron-core
+    ``OptimizerConfig`` fields) are those of the ``ShardedAdaptiveMuon`` that steps."""
+    fields = OPTIMIZER_FIELDS["adaptive_muon"]
+    dp2 = strategy_runs(SHARED_STRATEGY["adaptive_muon"])["adaptive_muon"]
+    for run in (dp1_runs()["adaptive_muon"], dp2):
+        assert sub_optimizers(run)[0] == {
+            "class": "ShardedAdaptiveMuon",
+            "moment2_method": fields["adaptive_muon_moment2_method"],
+            "beta2": fields["adaptive_muon_beta2"],
+            "eps": fields["adaptive_muon_eps"],
+        }
+        assert "megatron-muon AdaptiveMuon(normuon)[dense]: 8 params" in run.output
+
+
+def test_lion_takes_its_betas_from_the_bridge_config() -> None:
+    run = strategy_runs(SHARED_STRATEGY["lion"])["lion"]
+    fields = OPTIMIZER_FIELDS["lion"]
+    lion, rest = sub_optimizers(run)
+    assert lion["class"] == "Lion"
+    assert lion["betas"] == [fields["lion_beta1"], fields["lion_beta2"]]
+    assert rest["class"] == "AdamW"
+    assert "megatron-muon Lion: 8 params" in run.output
