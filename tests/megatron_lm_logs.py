@@ -1,6 +1,7 @@
 """What Megatron-LM's loop printed, and the checks the loop tests make on it: losses that fall,
 losses equal to a reference's to ``RELATIVE_TOLERANCE``, the lines a rank printed with a prefix,
-and a saved ``fsdp_dtensor`` checkpoint read back as full tensors.
+a saved ``fsdp_dtensor`` checkpoint read back as full tensors, and a resumed run against the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -58,3 +59,29 @@ def load_fsdp_dtensor_checkpoint(directory: Path) -> dict[str, Any]:
 
     walk(nested, "")
     return flat
+
+
+def assert_resumed_bitwise(
+    uninterrupted: MegatronRun, resumed: MegatronRun, root: Path, save_at: int, num_iters: int
+) -> list[str]:
+    """``resumed`` (loaded from ``root/uninterrupted`` at ``save_at``, saving to ``root/resumed``)
+    printed the uninterrupted run's grad norms and losses of iterations ``save_at + 1`` to
+    ``num_iters`` bitwise, and saved at ``num_iters`` every tensor bitwise; returns their keys.
+
+    Megatron's first log line after a start averages two iterations' losses (see
+    tests/test_megatron_lm_loop.py): the loss of iteration ``save_at + 2`` is not compared.
+    """
+    assert sorted(resumed.iterations) == list(range(save_at + 1, num_iters + 1))
+    for iteration in range(save_at + 1, num_iters + 1):
+        expected = uninterrupted.iterations[iteration]
+        assert resumed.iterations[iteration]["grad norm"] == expected["grad norm"]
+        if iteration != save_at + 2:
+            assert resumed.iterations[iteration]["lm loss"] == expected["lm loss"]
+    final = f"iter_{num_iters:07d}"
+    expected_state = load_fsdp_dtensor_checkpoint(root / "uninterrupted" / final)
+    got = load_fsdp_dtensor_checkpoint(root / "resumed" / final)
+    tensors = sorted(k for k, v in expected_state.items() if torch.is_tensor(v))
+    assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors
+    differing = [k for k in tensors if not torch.equal(got[k], expected_state[k])]
+    assert not differing, f"resumed run differs from the uninterrupted one in {differing}"
+    return tensors
