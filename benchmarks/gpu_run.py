@@ -100,6 +100,15 @@ def newton_schulz_rates(
     return rows_out
 
 
+def _ns_seconds(x: torch.Tensor, configs: tuple, warmup: int, repeats: int) -> list[float]:
+    """Median seconds of ``orthogonalize(x, config)`` for each of ``configs`` (``NSConfig``),
+    timed alternately (``interleaved_times``) on ``x``'s device."""
+    from megatron_muon.newton_schulz.methods import orthogonalize
+
+    calls = [lambda config=config: orthogonalize(x, config) for config in configs]
+    return [median(t) for t in interleaved_times(calls, warmup, repeats, x.device.type)]
+
+
 def symmetric_vs_standard(
     rank: int,
     world_size: int,
@@ -111,7 +120,7 @@ def symmetric_vs_standard(
     """Standard and symmetric NS (5 quintic steps) of each ``(rows, cols)`` fp32 matrix, timed
     alternately (``interleaved_times``), at "medium" (bf16 matmuls, Megatron's default) and
     "highest" (fp32, no TF32): median seconds of each, their ratio and the FLOP ratio."""
-    from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
+    from megatron_muon.newton_schulz.methods import NSConfig
 
     standard, symmetric = NSConfig(), NSConfig(ns_method="symmetric")
     rows_out = []
@@ -119,13 +128,7 @@ def symmetric_vs_standard(
         torch.set_float32_matmul_precision(precision)
         for rows, cols in shapes:
             x = torch.randn(rows, cols, device=device)
-            times = interleaved_times(
-                [lambda x=x: orthogonalize(x, standard), lambda x=x: orthogonalize(x, symmetric)],
-                warmup,
-                repeats,
-                device,
-            )
-            standard_s, symmetric_s = median(times[0]), median(times[1])
+            standard_s, symmetric_s = _ns_seconds(x, (standard, symmetric), warmup, repeats)
             rows_out.append(
                 {
                     "shape": [rows, cols],
@@ -163,13 +166,7 @@ def syrk_vs_standard(
     for rows, cols in shapes:
         x = torch.randn(rows, cols, device=device)
         compile_s = timed(lambda x=x: orthogonalize(x, syrk), device)
-        times = interleaved_times(
-            [lambda x=x: orthogonalize(x, standard), lambda x=x: orthogonalize(x, syrk)],
-            warmup,
-            repeats,
-            device,
-        )
-        standard_s, syrk_s = median(times[0]), median(times[1])
+        standard_s, syrk_s = _ns_seconds(x, (standard, syrk), warmup, repeats)
         rows_out.append(
             {
                 "shape": [rows, cols],
