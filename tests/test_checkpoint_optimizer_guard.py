@@ -1,11 +1,11 @@
 """A checkpoint saved with one ``--optimizer`` and loaded with another is refused naming both.
 
-``integrations.checkpoint_guard.state_kinds_refusal`` on the per-param optimizer state keys each
-optimizer's run holds in Megatron-LM's loop under Megatron-FSDP (Muon, adaptive Muon, Lion and
-Adam: the matrices' state beside AdamW's for embeddings, norms and biases). Lion's and Adam's key
-names are the same; they differ per param (Lion's matrices hold ``exp_avg`` alone). The launched
-case (a Muon checkpoint into an Adam run, through ``python -m megatron_muon.pretrain``) is
-tests/test_pretrain_entry.py's.
+``integrations.checkpoint_optimizer_kind.state_kinds_refusal`` on the per-param optimizer state
+keys each optimizer's run holds in Megatron-LM's loop under Megatron-FSDP (Muon, adaptive Muon,
+Lion and Adam: the matrices' state beside AdamW's for embeddings, norms and biases). Lion's and
+Adam's key names are the same; they differ per param (Lion's matrices hold ``exp_avg`` alone).
+The launched case (a Muon checkpoint into an Adam run, through ``python -m
+megatron_muon.pretrain``) is tests/test_pretrain_entry.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ STATE = {
 
 @pytest.mark.parametrize("saved, loading", list(itertools.permutations(STATE, 2)))
 def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(saved: str, loading: str) -> None:
-    from megatron_muon.integrations.checkpoint_guard import state_kinds_refusal
+    from megatron_muon.integrations.checkpoint_optimizer_kind import state_kinds_refusal
 
     refusal = state_kinds_refusal(STATE[saved], STATE[loading], loading, "/ckpt", "/ckpt/iter_4")
     assert refusal is not None, (saved, loading)
@@ -35,7 +35,10 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(saved: str, lo
 
 @pytest.mark.parametrize("optimizer", list(STATE))
 def test_a_checkpoint_of_the_same_optimizer_loads(optimizer: str) -> None:
-    from megatron_muon.integrations.checkpoint_guard import optimizer_of_state, state_kinds_refusal
+    from megatron_muon.integrations.checkpoint_optimizer_kind import (
+        optimizer_of_state,
+        state_kinds_refusal,
+    )
 
     assert optimizer_of_state(STATE[optimizer]) == optimizer
     assert state_kinds_refusal(STATE[optimizer], STATE[optimizer], optimizer, "/c", "/c/i") is None

@@ -1,0 +1,131 @@
+"""A checkpoint whose optimizer state is another optimizer's is refused before it loads.
+
+``--load`` of a Megatron ``fsdp_dtensor`` checkpoint saved with another ``--optimizer`` (a Muon
+run's ``momentum_buffer`` into an Adam run, or the reverse): Megatron's partial load then waits in
+collectives for state the checkpoint does not hold. ``check_optimizer_state_kinds`` first compares
+the optimizer state keys in the checkpoint's DCP metadata with this run's and raises
+``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
+``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
+
+Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from megatron_muon.checkpointing import CheckpointMismatchError, leaf_optimizers
+from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
+
+__all__ = [
+    "check_optimizer_state_kinds",
+    "checking_optimizer_state_first",
+    "optimizer_of_state",
+    "state_kinds_refusal",
+]
+
+_OPTIMIZER_PREFIX = "optimizer.state."
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _saved_state_kinds(directory: str) -> list[set[str]]:
+    """The optimizer state keys (``exp_avg``, ``momentum_buffer``, ...) a DCP checkpoint holds,
+    per param (a key ``optimizer.state.<param>.<kind>``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    by_param: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith(_OPTIMIZER_PREFIX) and "." in key[len(_OPTIMIZER_PREFIX) :]:
+            param, kind = key.rsplit(".", 1)
+            by_param.setdefault(param, set()).add(kind)
+    return list(by_param.values())
+
+
+def _run_state_kinds(optimizer: Any) -> list[set[str]]:
+    return [set(state) for leaf in leaf_optimizers(optimizer) for state in leaf.state.values()]
+
+
+def optimizer_of_state(kinds: list[set[str]]) -> str | None:
+    """The ``--optimizer`` whose state holds these per-param keys: a second moment next to Muon's
+    momentum is adaptive_muon's, Muon's momentum alone muon's, a first moment without a second
+    one (``exp_avg`` without ``exp_avg_sq``: Lion's, beside AdamW's for the other params) lion's,
+    Adam's two moments alone adam's. None: none of these (nothing to name)."""
+    union = set().union(*kinds) if kinds else set()
+    if "moment2_buffer" in union:
+        return "adaptive_muon"
+    if "momentum_buffer" in union:
+        return "muon"
+    if any("exp_avg" in k and "exp_avg_sq" not in k for k in kinds):
+        return "lion"
+    if "exp_avg_sq" in union:
+        return "adam"
+    return None
+
+
+def state_kinds_refusal(
+    saved: list[set[str]], mine: list[set[str]], optimizer: str, load: str, directory: str
+) -> str | None:
+    """Why the optimizer state ``saved`` (per param) cannot load into this run's (``mine``,
+    ``--optimizer optimizer``): the keys differ, or the state is another optimizer's (Lion's and
+    Adam's keys are the same names, held by different params). None: it can."""
+    if not saved or not mine:
+        return None
+    saved_union, mine_union = set().union(*saved), set().union(*mine)
+    saved_by, mine_by = optimizer_of_state(saved), optimizer_of_state(mine)
+    if saved_union == mine_union and saved_by == mine_by:
+        return None
+    by = f" (saved by --optimizer {saved_by})" if saved_by is not None else ""
+    return (
+        f"--load {load}: checkpoint {directory}{by} holds optimizer state "
+        f"{sorted(saved_union)}, this run's --optimizer {optimizer} keeps {sorted(mine_union)} "
+        "(saved by a run with another --optimizer?). Pass --no-load-optim to load the weights "
+        "alone, or the --optimizer the checkpoint was saved with"
+    )
+
+
+def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
+    """Raises when the checkpoint ``--load`` reads holds optimizer state of another kind.
+
+    Reads only the checkpoint's DCP metadata (every rank the same file: every rank decides alike).
+
+    Raises:
+        CheckpointMismatchError: the state keys differ (e.g. ``momentum_buffer`` from a Muon run
+            loaded into ``--optimizer adam``), or they are another optimizer's
+            (``state_kinds_refusal``); the message names both optimizers.
+    """
+    if (
+        optimizer is None
+        or getattr(args, "no_load_optim", False)
+        or getattr(args, "finetune", False)
+    ):
+        return
+    if getattr(args, "ckpt_format", None) != "fsdp_dtensor":
+        return
+    directory = checkpoint_directory(args)
+    if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
+        return  # Megatron's own load reports a missing checkpoint
+    refusal = state_kinds_refusal(
+        _saved_state_kinds(directory),
+        _run_state_kinds(optimizer),
+        args.optimizer,
+        args.load,
+        directory,
+    )
+    if refusal is not None:
+        raise CheckpointMismatchError(refusal)
+
+
+def checking_optimizer_state_first(load_checkpoint: Any) -> Any:
+    @functools.wraps(load_checkpoint)
+    def load_checkpoint_checked(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        from megatron.training import get_args
+
+        check_optimizer_state_kinds(get_args(), optimizer)
+        return load_checkpoint(model, optimizer, *args, **kwargs)
+
+    return load_checkpoint_checked
