@@ -75,7 +75,7 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
     megatron_lm.install()
-    checkpoint_guard.install()  # Adam state on every rank; a mismatched --load refused
+    checkpoint_guard.install()  # Adam state on every rank (so a mismatched --load is refused)
     user_flags = list(sys.argv[1:] if argv is None else argv)
     try:
         config_file = config_path(user_flags)

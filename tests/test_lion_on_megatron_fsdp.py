@@ -14,7 +14,9 @@ Checked here:
   position embedding is routed differently: megatron-muon gives it to AdamW, megatron-core to
   the matrix optimizer, as for Muon) to the printed digits
   (``RELATIVE_TOLERANCE``); the optim_grads_params run saves at 4, and a run resumed from it in
-  fresh processes prints the same losses and grad norms and saves the same tensors, bitwise.
+  fresh processes prints the same losses and grad norms and saves the same tensors, bitwise; the
+  same checkpoint loaded with ``--optimizer soap`` is refused on every rank naming both
+  optimizers, before any collective.
   Stock megatron-core 0.19.2 builds ``--optimizer lion`` with Adam's betas; ``install()`` makes it
   read ``--lion-beta1/2`` (``integrations.stock_lion``), so both sides use Lion's betas.
 - A custom trainer: the factory builds Lion from ``OptimizerConfig(optimizer="lion")`` for the
@@ -40,7 +42,7 @@ from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.gpt_parity import Run
 from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
-from tests.torchrun import MegatronRun, run_megatron
+from tests.torchrun import MegatronRun, TorchrunFailure, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -166,6 +168,29 @@ def test_lion_resumed_from_its_fsdp_dtensor_checkpoint_is_bit_identical(
         assert any(short in k for k in momenta), (short, momenta)
     differing = [k for k in tensors if not torch.equal(got[k], expected_state[k])]
     assert not differing, f"resumed run differs from the uninterrupted one in {differing}"
+
+
+@pytest.mark.multirank
+def test_a_lion_checkpoint_loaded_into_a_soap_run_is_refused_naming_both(
+    checkpoint_root: Path,
+) -> None:
+    # Megatron-LM's loop with install() alone (not the pretrain entry point); without the check
+    # Megatron's partial load waits in collectives for state the checkpoint does not hold
+    # (measured for a Muon checkpoint loaded into Adam: integrations.checkpoint_optimizer_kind).
+    lion_dp2("optim_grads_params", checkpoint_root)
+    flags = [flag if flag != "lion" else "soap" for flag in LION_FLAGS]
+    with pytest.raises(TorchrunFailure) as failure:
+        run_megatron(
+            [
+                *flags,
+                *_strategy("optim_grads_params"),
+                *("--load", str(checkpoint_root / "uninterrupted"), "--ckpt-step", str(SAVE_AT)),
+            ],
+            nproc=2,
+        )
+    text = str(failure.value)
+    assert text.count("CheckpointMismatchError") >= 2, text[-4000:]
+    assert "(saved by --optimizer lion)" in text and "this run's --optimizer soap keeps" in text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,22 +1,17 @@
-"""Megatron ``fsdp_dtensor`` checkpoints in the pretrain entry point: saved and loaded, never hung.
+"""Megatron ``fsdp_dtensor`` checkpoints of Adam in the pretrain entry point: saved, never hung.
 
-Two ways stock megatron-core 0.19.2 hangs in Megatron-LM's loop with ``--use-megatron-fsdp``, both
+One way stock megatron-core 0.19.2 hangs in Megatron-LM's loop with ``--use-megatron-fsdp``,
 measured through ``python -m megatron_muon.pretrain`` on 2 CPU ranks, and what ``install()`` (called
-by that entry point only; Megatron-LM scripts with ``megatron_lm.install()`` alone stay stock) does:
-
-1. ``--optimizer adam --save``: torch's Adam creates its state lazily, for params that got a
-   gradient, and a rank holding 0 rows of a param never gets one, so the ranks' state keys differ
-   and the per-DTensor collectives of the fsdp_dtensor save fall out of step (the run hung at
-   "Storing distributed optimizer sharded state"). Here ``get_megatron_optimizer``'s Adam gets
-   every param's state at build time, without a step (``make_adam_state_rank_symmetric``), and
-   before each save the per-param ``step`` counts are made equal over the param's ranks (a rank
-   with 0 rows never stepped it; DCP keeps one rank's copy of such a replicated value).
-2. ``--load`` of a checkpoint whose optimizer state is of another kind (a Muon run's
-   ``momentum_buffer`` into an Adam run, or the reverse): Megatron's partial load then waits in
-   collectives for state the checkpoint does not hold. Here ``load_checkpoint`` first compares the
-   optimizer state keys in the checkpoint's DCP metadata with this run's and raises
-   ``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
-   ``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
+by that entry point only; Megatron-LM scripts with ``megatron_lm.install()`` alone keep stock Adam)
+does: ``--optimizer adam --save``: torch's Adam creates its state lazily, for params that got a
+gradient, and a rank holding 0 rows of a param never gets one, so the ranks' state keys differ and
+the per-DTensor collectives of the fsdp_dtensor save fall out of step (the run hung at "Storing
+distributed optimizer sharded state"). Here ``get_megatron_optimizer``'s Adam gets every param's
+state at build time, without a step (``make_adam_state_rank_symmetric``), and before each save the
+per-param ``step`` counts are made equal over the param's ranks (a rank with 0 rows never stepped
+it; DCP keeps one rank's copy of such a replicated value). With that state, a ``--load`` of a
+checkpoint of another optimizer is refused for Adam runs too (``checkpoint_optimizer_kind``, which
+``megatron_lm.install()`` applies).
 
 Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
 """
@@ -33,7 +28,6 @@ from megatron_muon.checkpointing import (
 )
 from megatron_muon.checkpointing.optimizer_state import creates_state
 from megatron_muon.integrations import megatron_lm
-from megatron_muon.integrations.checkpoint_optimizer_kind import checking_optimizer_state_first
 
 __all__ = ["install", "make_adam_state_rank_symmetric"]
 
@@ -41,8 +35,8 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Wraps ``get_megatron_optimizer`` and ``load_checkpoint`` as ``megatron.training.training``
-    calls them (after ``megatron_lm.install()``; idempotent)."""
+    """Wraps ``get_megatron_optimizer`` as ``megatron.training.training`` calls it (after
+    ``megatron_lm.install()``; idempotent)."""
     global _INSTALLED
     megatron_lm.install()
     if _INSTALLED:
@@ -51,7 +45,6 @@ def install() -> None:
     training.get_megatron_optimizer = _with_rank_symmetric_adam_state(
         training.get_megatron_optimizer
     )
-    training.load_checkpoint = checking_optimizer_state_first(training.load_checkpoint)
     _INSTALLED = True
 
 

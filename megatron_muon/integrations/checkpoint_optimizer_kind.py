@@ -16,7 +16,11 @@ import functools
 import os
 from typing import Any
 
-from megatron_muon.checkpointing import CheckpointMismatchError, leaf_optimizers
+from megatron_muon.checkpointing import (
+    CheckpointMismatchError,
+    IncompleteCheckpointError,
+    leaf_optimizers,
+)
 from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
 __all__ = [
@@ -37,7 +41,13 @@ def _saved_state_kinds(directory: str) -> list[set[str]]:
     per param (a key ``optimizer.state.<param>.<kind>``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    try:
+        keys = FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as error:  # a truncated or altered file: unpickling raises many kinds
+        raise IncompleteCheckpointError(
+            f"the checkpoint's {os.path.join(directory, '.metadata')} does not read "
+            f"({type(error).__name__}: {error}): not a whole checkpoint"
+        ) from error
     by_param: dict[str, set[str]] = {}
     for key in keys:
         if key.startswith(_OPTIMIZER_PREFIX) and "." in key[len(_OPTIMIZER_PREFIX) :]:
@@ -51,11 +61,14 @@ def _run_state_kinds(optimizer: Any) -> list[set[str]]:
 
 
 def optimizer_of_state(kinds: list[set[str]]) -> str | None:
-    """The ``--optimizer`` whose state holds these per-param keys: a second moment next to Muon's
-    momentum is adaptive_muon's, Muon's momentum alone muon's, a first moment without a second
-    one (``exp_avg`` without ``exp_avg_sq``: Lion's, beside AdamW's for the other params) lion's,
-    Adam's two moments alone adam's. None: none of these (nothing to name)."""
+    """The ``--optimizer`` whose state holds these per-param keys: Kronecker factors (``L``,
+    ``Q_L``, ...) are soap's, a second moment next to Muon's momentum adaptive_muon's, Muon's
+    momentum alone muon's, a first moment without a second one (``exp_avg`` without
+    ``exp_avg_sq``: Lion's, beside AdamW's for the other params) lion's, Adam's two moments alone
+    adam's. None: none of these (nothing to name)."""
     union = set().union(*kinds) if kinds else set()
+    if {"L", "R", "Q_L", "Q_R"} & union:
+        return "soap"
     if "moment2_buffer" in union:
         return "adaptive_muon"
     if "momentum_buffer" in union:
@@ -94,6 +107,7 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
     Reads only the checkpoint's DCP metadata (every rank the same file: every rank decides alike).
 
     Raises:
+        IncompleteCheckpointError: the checkpoint's ``.metadata`` does not read (named).
         CheckpointMismatchError: the state keys differ (e.g. ``momentum_buffer`` from a Muon run
             loaded into ``--optimizer adam``), or they are another optimizer's
             (``state_kinds_refusal``); the message names both optimizers.

@@ -54,7 +54,11 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    tensor-parallel size) is refused before anything loads, with an error naming both sizes and
    the ``--make-vocab-size-divisible-by`` that avoids it (``checkpoint_vocab``; stock megatron-core
    stops inside the load with a bare size mismatch). Any optimizer: it raises only where Megatron's
-   load would fail.
+   load would fail. Then (``checkpoint_optimizer_kind``) a checkpoint whose optimizer state is
+   another ``--optimizer``'s (a Muon run's ``momentum_buffer`` loaded into a SOAP run, ...) is
+   refused naming both, where Megatron's partial load would wait in collectives for state the
+   checkpoint does not hold. Both run after 9's file check, so a damaged ``.metadata`` is named
+   there first.
 5. ``megatron.core.datasets.utils.compile_helpers`` -> no-op when the wheel's built dataset helpers
    (``megatron.core.datasets.helpers_cpp``) import: the wheel ships them but not the Makefile that
    ``compile_helpers`` runs, so ``pretrain`` stops with "Failed to compile the C++ dataset helper
@@ -123,6 +127,7 @@ from megatron_muon.integrations import (
     restart_store,
     stock_lion,
 )
+from megatron_muon.integrations.checkpoint_optimizer_kind import checking_optimizer_state_first
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
@@ -186,6 +191,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
+    training.load_checkpoint = checking_optimizer_state_first(training.load_checkpoint)
     training.load_checkpoint = checkpoint_integrity.verifying_files_first(training.load_checkpoint)
     training.save_checkpoint = checkpoint_integrity.saving_whole_or_refused(
         training.save_checkpoint
