@@ -17,7 +17,9 @@ update there. Measured: the same reference with its batch gradient accumulated i
 With the same gradients, SOAP's arithmetic is the same on the owner as in the reference: the SOAP
 params are bitwise the reference's at every strategy; the AdamW params (megatron-core's foreach
 AdamW against torch's per-tensor loop) within 1e-6 relative. Both run eager
-(``tests.soap_reference.EAGER``).
+(``tests.soap_reference.EAGER``). In the same launch, the MoE GPT (4 experts, their rows over
+``expt_dp``: a second ``ShardedSOAP`` over that group, for every expert's fc1 and fc2; the router
+is a dense SOAP matrix on both sides) under optim_grads_params, compared the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from tests.gpt_parity import SEQ, Run
 from tests.soap_reference import EAGER, SHAMPOO_BETA, SoapReference
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-RUNS = [Run("mcore", strategy) for strategy in STRATEGIES]
+# (run, MoE GPT): every strategy on the dense GPT, and the MoE GPT (4 experts, their rows over
+# ``expt_dp``: a second ShardedSOAP) under optim_grads_params.
+RUNS = [(Run("mcore", strategy), False) for strategy in STRATEGIES]
+RUNS.append((Run("mcore", "optim_grads_params"), True))
 
 
 def _rows(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:
@@ -65,13 +70,14 @@ def _whole(named: dict, attribute: str) -> dict[str, torch.Tensor]:
     return whole
 
 
-def _train_run(run: Run, rank: int, world_size: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """name -> (ours, the reference's) whole param after ``PARITY_STEPS`` steps; and the summary."""
+def _train_run(run: Run, moe: bool, rank: int, world_size: int) -> dict:
+    """name -> (ours, the reference's) whole param after ``PARITY_STEPS`` steps; routing and
+    summary."""
     from megatron_muon import build_muon_optimizer
 
     config = gpt_parity.optimizer_config(optimizer="soap", soap_shampoo_beta=SHAMPOO_BETA)
-    reference = SoapReference(gpt_parity.build_gpt())
-    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(), run, world_size)
+    reference = SoapReference(gpt_parity.build_gpt(moe))
+    wrapped = gpt_parity.wrap(gpt_parity.build_gpt(moe), run, world_size)
     named = dict(wrapped.named_parameters())  # the optimizer params, right after wrapping
     optimizer = build_muon_optimizer(config, [wrapped])
     reference_params = dict(reference.model.named_parameters())
@@ -88,14 +94,14 @@ def _train_run(run: Run, rank: int, world_size: int) -> dict[str, tuple[torch.Te
             reference_optimizer.step()
     ours = _whole(named, "data")
     compared = {name: (ours[name], p.detach().clone()) for name, p in reference_params.items()}
-    routed = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
+    routed = {gpt_parity._strip(r.name): (r.optimizer, r.is_expert) for r in optimizer.routing}
     return {"params": compared, "routed": routed, "summary": list(optimizer.summary_lines)}
 
 
 def _train(rank: int, world_size: int) -> list[dict]:
     gpt_parity.init_megatron()
     with EAGER():
-        return [_train_run(run, rank, world_size) for run in RUNS]
+        return [_train_run(run, moe, rank, world_size) for run, moe in RUNS]
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +110,23 @@ def results() -> list[list[dict]]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("index", range(len(RUNS)), ids=STRATEGIES)
+@pytest.mark.parametrize(
+    "index",
+    range(len(RUNS)),
+    ids=[run.strategy + ("-moe" if moe else "") for run, moe in RUNS],
+)
 def test_soap_gpt_steps_as_the_unsharded_stock_optimizer(results, index: int) -> None:
     result = results[0][index]
-    assert any("SOAP[dense]" in line for line in result["summary"]), result["summary"]
-    routed = result["routed"]
-    assert sum(o == "soap" for o in routed.values()) == 8, routed  # 4 hidden matrices x 2 layers
+    summary = result["summary"]
+    assert any("SOAP[dense]" in line for line in summary), summary
+    routed = {name: optimizer for name, (optimizer, _) in result["routed"].items()}
+    if RUNS[index][1]:
+        expert = [line for line in summary if "SOAP[expert]" in line]
+        assert len(expert) == 1 and "over expt_dp (2 ranks)" in expert[0], summary
+        experts = [n for n, (o, is_expert) in result["routed"].items() if is_expert and o == "soap"]
+        assert len(experts) == 2 * gpt_parity.NUM_EXPERTS * 2, routed  # layers x experts x fc
+    else:
+        assert sum(o == "soap" for o in routed.values()) == 8, routed  # 4 matrices x 2 layers
     for name, (ours, reference) in result["params"].items():
         if routed[name] == "soap":
             assert torch.equal(ours, reference), name

@@ -5,18 +5,37 @@ In process: ``validate_args`` accepts ``--optimizer soap --use-megatron-fsdp`` a
 and refuses a ``--soap-precondition-frequency`` that SOAP would ignore, naming it.
 
 Launched: ``ShardedSOAP`` + AdamW under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at
-DP=2 trains (the loss falls; the build summary names SOAP), saving at 4 and 8; a run resumed from 4
-in fresh processes prints the same losses and saves bitwise the same state (every SOAP tensor
-included) at 8. Two launches.
+DP=2, every sharding strategy: 8 iterations' losses and grad norms equal **one rank running
+megatron-core's own soap without Megatron-FSDP** (its DDP, same flags) to the printed digits; the
+optim_grads_params run saves at 4 and 8, and a run resumed from 4 in fresh processes prints the
+same losses and saves bitwise the same state (every SOAP tensor included) at 8. Six launches.
 
-Not compared step by step with megatron-core's own soap on one rank: SOAP's update amplifies a
-gradient's last-bit differences to O(1) (its first step is Adam, ``g / (|g| + 1e-8)``, in the
-eigenbasis of ``L = G G^T``, whose null space holds only rounding noise: a ``(192, 64)``
-``linear_qkv`` has 128 zero eigenvalues), so the stock soap itself at DP=1 and at DP=2 (Megatron's
-DDP, ``--clip-grad 0``) differs from iteration 2 on (losses 4.839392 and 4.843491, measured), and
-ours at DP=2 against stock at DP=1 likewise (4.839582 and 4.841638; the first iteration's loss
-and grad norm equal). That ours steps exactly as stock SOAP given the same gradients is
-tests/test_factory_soap.py's claim (bitwise, every strategy).
+SOAP's update turns a gradient's last-bit differences into visible ones (its first step is Adam,
+``g / (|g| + 1e-8)``, in the eigenbasis of ``L = G G^T``, whose null space holds only rounding
+noise: a ``(192, 64)`` ``linear_qkv`` has 128 zero eigenvalues), so the comparison holds only where
+both sides step on the same gradient bits. The flags make them so (measured, this file's flags
+otherwise):
+
+- ``--micro-batch-size 2`` (global batch 4): one micro-batch per rank at DP=2, so the batch
+  gradient is ``g1 + g2`` at DP=1 (two micro-batches accumulated) and at DP=2 (two ranks' halves
+  summed: DDP's all-reduce and Megatron-FSDP's all-reduce or reduce-scatter alike; the scalings by
+  1/2 are exact). With 4 micro-batches of 1 the DP=1 sum ``((g1 + g2) + g3) + g4`` is another
+  order than DP=2's ``(g1 + g2) + (g3 + g4)``, and optim_grads/optim_grads_params reduce-scatter
+  every micro-batch's gradient (Megatron-FSDP's ``grad_reduce_every_bprop``), ``(g1 + g3) + (g2 +
+  g4)``: with ``--clip-grad 0`` megatron-core's own soap prints 4.839392 at DP=1 and 4.843491 at
+  DP=2 at iteration 2, ours 4.843491 (no_shard; DDP's every digit over 8 iterations) and 4.833361
+  (optim_grads_params).
+- ``--clip-grad 0``: the clipping factor is ``max_norm / norm``, and the grad norm is an fp32 sum
+  of squares in another order on shards than on whole tensors (2.4293970136 ours vs 2.4293966334
+  stock at iteration 1, 1.6e-7 relative, equal to the printed digits): with clipping on (Megatron's
+  default 1.0) every gradient differs in its last bits, and the losses from iteration 2 (4.804801
+  ours under no_shard and optim_grads_params, 4.808745 the stock at DP=1). Clipping on shards is
+  checked elsewhere (tests/test_factory_soap.py, the Muon and Lion loop tests).
+
+With both, megatron-core's soap at DP=1 and DP=2 print the same full-precision grad norms, and ours
+every digit of their losses and grad norms under each strategy. That ours steps exactly as stock
+SOAP given the same gradients is also tests/test_factory_soap.py's claim (bitwise, every strategy,
+dense and MoE GPT).
 """
 
 from __future__ import annotations
@@ -26,17 +45,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_lm_logs import assert_loss_falls, assert_resumed_bitwise
+from tests.megatron_lm_logs import assert_loss_falls, assert_resumed_bitwise, assert_same_losses
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
 NUM_ITERS, SAVE_AT = 8, 4
-STRATEGY = "optim_grads_params"
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SAVING = "optim_grads_params"  # the strategy whose run saves, for the resume test
 FLAGS = [
     *("--optimizer soap --lr 0.01 --soap-shampoo-beta 0.9").split(),
-    *("--position-embedding-type rope --train-iters").split(),
-    str(NUM_ITERS),
+    # Same gradient bits on both sides (the module docstring); RoPE: no learned position
+    # embedding, which megatron-muon gives AdamW and megatron-core the matrix optimizer.
+    *("--micro-batch-size 2 --clip-grad 0 --position-embedding-type rope").split(),
+    *("--train-iters", str(NUM_ITERS)),
 ]
 
 
@@ -46,11 +68,23 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fsdp_soap(checkpoint_root: Path) -> MegatronRun:
-    """DP=2 under Megatron-FSDP, saving at 4 and 8."""
-    extra = ["--data-parallel-sharding-strategy", STRATEGY]
-    extra += ["--save", str(checkpoint_root / "uninterrupted"), "--save-interval", str(SAVE_AT)]
-    return run_megatron([*FLAGS, *extra], nproc=2)
+def stock_soap() -> MegatronRun:
+    """One rank, megatron-core's own soap without Megatron-FSDP (DDP, torch_dist format)."""
+    return run_megatron(FLAGS, nproc=1, megatron_fsdp=False)
+
+
+_DP2_RUNS: dict[str, MegatronRun] = {}
+
+
+def soap_dp2(strategy: str, checkpoint_root: Path) -> MegatronRun:
+    """The DP=2 run of ``strategy`` under Megatron-FSDP (``SAVING``'s saves at 4 and 8)."""
+    if strategy not in _DP2_RUNS:
+        extra = ["--data-parallel-sharding-strategy", strategy]
+        if strategy == SAVING:
+            extra += ["--save", str(checkpoint_root / "uninterrupted")]
+            extra += ["--save-interval", str(SAVE_AT)]
+        _DP2_RUNS[strategy] = run_megatron([*FLAGS, *extra], nproc=2)
+    return _DP2_RUNS[strategy]
 
 
 _BASE = (
@@ -86,24 +120,30 @@ def test_validate_args_accepts_soap_with_megatron_fsdp_and_its_flags(
 
 
 @pytest.mark.multirank
-def test_soap_on_megatron_fsdp_trains(fsdp_soap: MegatronRun) -> None:
-    losses = fsdp_soap.series("lm loss")
-    print(f"\nsoap DP=2 {STRATEGY}: {losses} ({fsdp_soap.wall_s:.0f} s)")
-    assert sorted(fsdp_soap.iterations) == list(range(1, NUM_ITERS + 1))
-    for described in fsdp_soap.optimizers.values():
-        assert any("SOAP[dense]" in line for line in described["summary"])
-    assert_loss_falls(losses)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_soap_in_megatron_lms_loop_equals_stock_soap_on_one_rank_for_each_strategy(
+    strategy: str, stock_soap: MegatronRun, checkpoint_root: Path
+) -> None:
+    run = soap_dp2(strategy, checkpoint_root)
+    losses = run.series("lm loss")
+    print(f"\n{strategy} DP=2: {losses} ({run.wall_s:.0f} s)\n stock DP=1: {stock_soap.series()}")
+    assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
+    for described in run.optimizers.values():
+        summary = described["summary"]
+        assert any("SOAP[dense]" in line for line in summary), summary
+        assert any(f"strategy {strategy}" in line for line in summary), summary
+    assert_loss_falls(losses, NUM_ITERS)
+    assert_same_losses(losses, stock_soap.series("lm loss"))
+    assert_same_losses(run.series("grad norm"), stock_soap.series("grad norm"))
 
 
 @pytest.mark.multirank
-def test_soap_resumes_bitwise_from_fsdp_dtensor_checkpoint(
-    fsdp_soap: MegatronRun, checkpoint_root: Path
-) -> None:
-    uninterrupted = fsdp_soap
+def test_soap_resumes_bitwise_from_fsdp_dtensor_checkpoint(checkpoint_root: Path) -> None:
+    uninterrupted = soap_dp2(SAVING, checkpoint_root)
     resumed = run_megatron(
         [
             *FLAGS,
-            *("--data-parallel-sharding-strategy", STRATEGY),
+            *("--data-parallel-sharding-strategy", SAVING),
             *("--load", str(checkpoint_root / "uninterrupted"), "--ckpt-step", str(SAVE_AT)),
             "--no-load-rng",  # the CPU RNG stand-in's CUDA state is a dummy
             *("--save", str(checkpoint_root / "resumed"), "--save-interval", str(SAVE_AT)),
