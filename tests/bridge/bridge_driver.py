@@ -15,6 +15,7 @@ from torchrun's store (group keys restart at 0) and fails with "Connection refus
 - ``recipe``: the optimizer config from ``muon_fsdp_with_cosine_annealing`` (the helper of
   Bridge's Muon recipes, wrapped);
 - ``model``: fields set on the model provider, e.g. ``qk_clip``;
+- ``train``: fields set on the training config, e.g. ``micro_batch_size``;
 - the rest: ``tiny_gpt_config``'s keywords.
 
 Rank 0 prints ``BRIDGE_OPTIMIZER`` and the optimizer's class at the start, ``BRIDGE_SUB_OPTIMIZERS``
@@ -158,12 +159,14 @@ def _run(index: int, spec: dict[str, Any]) -> None:
                 }
                 print(STEP_MARKER + json.dumps(step), flush=True)
 
-    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model")
+    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model", "train")
     cfg = tiny_gpt_config(
         _optimizer_config(spec), **{k: v for k, v in spec.items() if k not in own}
     )
     for name, value in spec.get("model", {}).items():
         setattr(cfg.model, name, value)
+    for name, value in spec.get("train", {}).items():
+        setattr(cfg.train, name, value)
     pretrain(cfg, forward_step, callbacks=[Record()])
     print(f"BRIDGE_CLIP_QK_CALLS {_CLIP_QK_CALLS[0]}", flush=True)
 
