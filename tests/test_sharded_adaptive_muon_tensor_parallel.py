@@ -14,7 +14,8 @@ One launch of 4 ranks runs every method x tp_mode (owner mode; distributed in ga
 momentum and this rank's partition of the second moment: relative error (Frobenius, per matrix)
 <= ``TOLERANCE`` (1e-6, the fp32 reduction-order floor of docs/exactness.md: the momentum's norms
 and NS's matmuls over rows gathered from two ranks round differently). normuon's and namo's
-state (every partition's, stacked along dim 0) is bitwise the same on all 4 ranks.
+state (every partition's, stacked along dim 0) is bitwise the same on all 4 ranks, and bitwise
+again after a DCP save (one copy kept) and a load into a fresh optimizer's created state.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ BETA2, EPS = 0.9, 1e-8
 STEPS = 2
 
 
-def _case(pgc, mesh, method: str, tp_mode: str, mode: str) -> dict:
+def _case(pgc, mesh, method: str, tp_mode: str, mode: str, path: str) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
@@ -90,15 +91,19 @@ def _case(pgc, mesh, method: str, tp_mode: str, mode: str) -> dict:
         params.append(param)
         reference_params.append(reference)
     config = AdaptiveMuonConfig(moment2_method=method, beta2=BETA2, eps=EPS)
-    optimizer = ShardedAdaptiveMuon.from_keywords(
-        params,
-        adaptive=config,
-        dp_group=pgc.dp_cp,
-        pg_collection=pgc,
-        mode=mode,
-        tp_mode=tp_mode,
-        **KWARGS,
-    )
+
+    def build(params: list[torch.nn.Parameter]) -> ShardedAdaptiveMuon:
+        return ShardedAdaptiveMuon.from_keywords(
+            params,
+            adaptive=config,
+            dp_group=pgc.dp_cp,
+            pg_collection=pgc,
+            mode=mode,
+            tp_mode=tp_mode,
+            **KWARGS,
+        )
+
+    optimizer = build(params)
     reference = TensorParallelAdaptiveMuonFixed(
         reference_params,
         pg_collection=pgc,
@@ -141,10 +146,30 @@ def _case(pgc, mesh, method: str, tp_mode: str, mode: str) -> dict:
         ):
             assert got.shape == expected.shape, (key, i, got.shape, expected.shape)
             errors[f"{key} {i}"] = relative_error(got, expected, full)
-    return {"errors": errors, "states": states}
+    reloaded = _reload(optimizer, build, f"{path}/{method}-{tp_mode}") if states else []
+    return {"errors": errors, "states": states, "reloaded": reloaded}
 
 
-def _run(rank: int, world_size: int) -> dict:
+def _reload(optimizer, build, path: str) -> list[torch.Tensor]:
+    """normuon's / namo's plain per-partition states through a DCP save (one copy kept, as in
+    Megatron's fsdp_dtensor checkpoints) and a load into a fresh optimizer's created state."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_muon.checkpointing.optimizer_state import ensure_optimizer_state
+
+    def moment2(opt) -> dict[str, torch.Tensor]:
+        params = opt.param_groups[0]["params"]
+        return {f"param{i}": opt.state[p]["moment2_buffer"] for i, p in enumerate(params)}
+
+    dcp.save(moment2(optimizer), checkpoint_id=path)
+    fresh = build(optimizer.param_groups[0]["params"])  # the same params, no state
+    ensure_optimizer_state(fresh)
+    loaded = moment2(fresh)
+    dcp.load(loaded, checkpoint_id=path)
+    return list(loaded.values())
+
+
+def _run(rank: int, world_size: int, path: str) -> dict:
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from torch.distributed.device_mesh import DeviceMesh
@@ -156,7 +181,7 @@ def _run(rank: int, world_size: int) -> dict:
         grid = torch.arange(world_size).view(2, 2)
         mesh = DeviceMesh("cpu", grid, mesh_dim_names=("dp_cp", "tp"))
         return {
-            f"{method} {tp_mode} {mode}": _case(pgc, mesh, method, tp_mode, mode)
+            f"{method} {tp_mode} {mode}": _case(pgc, mesh, method, tp_mode, mode, path)
             for method in METHODS
             for tp_mode, mode in TP_MODES
         }
@@ -164,12 +189,15 @@ def _run(rank: int, world_size: int) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def test_tp2_dp2_equals_megatron_cores_adaptive_muon_per_tp_partition() -> None:
-    results = run_on_ranks(_run, 4)
+def test_tp2_dp2_equals_megatron_cores_adaptive_muon_per_tp_partition(tmp_path) -> None:
+    results = run_on_ranks(_run, 4, str(tmp_path))
     for rank, by_case in enumerate(results):
         for case, result in by_case.items():
             assert max(result["errors"].values()) <= TOLERANCE, (rank, case, result["errors"])
     for case, result in results[0].items():
+        for rank in range(4):
+            for a, b in zip(result["states"], results[rank][case]["reloaded"], strict=True):
+                assert torch.equal(a, b), (case, rank, "reloaded")
         for rank in range(1, 4):
             for a, b in zip(result["states"], results[rank][case]["states"], strict=True):
                 assert torch.equal(a, b), (case, rank)
