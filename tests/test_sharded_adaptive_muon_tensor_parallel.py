@@ -16,6 +16,8 @@ momentum and this rank's partition of the second moment: relative error (Frobeni
 and NS's matmuls over rows gathered from two ranks round differently). normuon's and namo's
 state (every partition's, stacked along dim 0) is bitwise the same on all 4 ranks, and bitwise
 again after a DCP save (one copy kept) and a load into a fresh optimizer's created state.
+layer_sharded's weights are bitwise duplicated's (normuon's partitions are the very views
+duplicated's ``newton_schulz_tp`` takes: the same reduction order).
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def _case(pgc, mesh, method: str, tp_mode: str, mode: str, path: str) -> dict:
             assert got.shape == expected.shape, (key, i, got.shape, expected.shape)
             errors[f"{key} {i}"] = relative_error(got, expected, full)
     reloaded = _reload(optimizer, build, f"{path}/{method}-{tp_mode}") if states else []
-    return {"errors": errors, "states": states, "reloaded": reloaded}
+    weights = [local_tensor(p.detach()).clone() for p in params]
+    return {"errors": errors, "states": states, "reloaded": reloaded, "weights": weights}
 
 
 def _reload(optimizer, build, path: str) -> list[torch.Tensor]:
@@ -194,6 +197,12 @@ def test_tp2_dp2_equals_megatron_cores_adaptive_muon_per_tp_partition(tmp_path) 
     for rank, by_case in enumerate(results):
         for case, result in by_case.items():
             assert max(result["errors"].values()) <= TOLERANCE, (rank, case, result["errors"])
+    for rank, by_case in enumerate(results):  # layer_sharded computes duplicated's update
+        for method in METHODS:
+            duplicated = by_case[f"{method} duplicated owner"]["weights"]
+            layer_sharded = by_case[f"{method} layer_sharded owner"]["weights"]
+            for a, b in zip(duplicated, layer_sharded, strict=True):
+                assert torch.equal(a, b), (rank, method)
     for case, result in results[0].items():
         for rank in range(4):
             for a, b in zip(result["states"], results[rank][case]["reloaded"], strict=True):

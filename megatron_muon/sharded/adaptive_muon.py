@@ -31,12 +31,12 @@ partition of the unsplit matrix's raw NS, under blockwise the partition's own NS
 by the partition's shape (``_apply_muon_scale(update, update.size(-2), update.size(-1))``).
 ``ShardedAdaptiveMuon`` computes the same: NS as ``ShardedMuon`` (``TensorParallelMuon``'s
 ``orthogonalize`` with the unscaled ``raw_orthogonalize_fn``; layer_sharded is duplicated's update),
-then the second moment per TP partition: adamuon elementwise on each rank's rows; normuon on each
-partition of the owner's matrix (the partition itself, or under layer_sharded the stacked
-partitions, one at a time) and namo with each partition's norms (the sums of squares over
-``dp_group`` are the partition's), each with its partition's state (``moment2_partitions``: every
-partition's state, stacked along dim 0, on every rank); Muon's scale by the partition's shape
-(``moment2_partitions.partitions_of``).
+then the second moment per TP partition: adamuon elementwise on each rank's rows; normuon on the
+owner's partition (under layer_sharded on each partition of the unsplit NS result, the views
+duplicated's ``newton_schulz_tp`` takes: bitwise duplicated's); namo with each partition's norms
+(the sums of squares over ``dp_group`` are the partition's); each with its partition's state
+(``moment2_partitions``: every partition's, stacked along dim 0, on every rank); Muon's scale by
+the partition's shape (``moment2_partitions.partitions_of``).
 
 Refused at build time (``ValueError`` naming the setting): params that are not 2-D (as
 ``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and a
@@ -203,6 +203,7 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         self.moment2_method = adaptive.moment2_method
         self._partitions: dict[torch.Tensor, Partitions] = {}
         self._computed: dict[torch.Tensor, list[int]] = {}
+        self._groups: dict[torch.Tensor, dict] = {}
         fsdp = replace(fsdp, min_split_flops=_NEVER_SPLIT)
         super().__init__(params, lr, weight_decay, muon=muon, fsdp=fsdp, **kwargs)
         # NS through TensorParallelMuon.orthogonalize (TP-split matrices) unscaled as well.
@@ -229,6 +230,14 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         if parts is None:
             parts = self._partitions[param] = partitions_of(param, self.dp_group)
         return parts
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        """The param group holding ``param``."""
+        group = self._groups.get(param)
+        if group is None:
+            self._groups = {p: g for g in self.param_groups for p in g["params"]}
+            group = self._groups[param]
+        return group
 
     def _partition_shape(self, param: torch.Tensor) -> tuple[int, int]:
         """The shape Muon's scale is computed from: the TP partition's."""
@@ -287,24 +296,37 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             self._share_moment2(plan, active)
 
     def _finish_matrix(self, param: torch.Tensor, group: dict, full: torch.Tensor) -> torch.Tensor:
-        """normuon on the raw NS result (owner), per TP partition with its state block: ``full``
-        is this rank's partition, or under layer_sharded the partitions stacked along dim 0;
-        then Muon's scale by the partition's shape."""
+        """normuon on the raw NS result (owner): ``full`` is this rank's TP partition (or the
+        unsplit matrix), its state block updated here; or under layer_sharded the partitions
+        stacked along dim 0, normalized already (``_finish_unsplit``). Then Muon's scale by the
+        partition's shape."""
         if self.moment2_method != "normuon":
             return full
         parts = self._parts(param)
-        blocks = self.state[param]["moment2_buffer"].chunk(parts.count)
-        if full.shape[0] == parts.rows:  # one partition: this rank's (or the unsplit matrix)
-            computed, pieces = [parts.index], [full]
-        else:
-            computed, pieces = list(range(parts.count)), list(full.chunk(parts.count))
+        if full.shape[0] == parts.rows:
+            moment2 = self.state[param]["moment2_buffer"].chunk(parts.count)[parts.index]
+            full = self._apply_moment2_normalization(full, moment2, group["beta2"], group["eps"])
+            self._computed[param] = [parts.index]
+        elif len(self._computed.get(param, ())) != parts.count:  # never: _finish_unsplit ran
+            raise RuntimeError(f"normuon: stacked partitions {tuple(full.shape)} not normalized")
+        return self._apply_muon_scale(full, parts.rows, parts.cols)
+
+    def _finish_unsplit(
+        self, param: torch.Tensor, unsplit: torch.Tensor, partitions: int, dim: int
+    ) -> torch.Tensor:
+        """layer_sharded, normuon: each TP partition's second moment on the owner, on the very
+        views duplicated's ``newton_schulz_tp`` hands the stock class (``unsplit.chunk(partitions,
+        dim)``, strides included: the same reduction order), with its state block."""
+        if self.moment2_method != "normuon":
+            return unsplit
+        group = self._group_of(param)
+        blocks = self.state[param]["moment2_buffer"].chunk(partitions)
         updates = [
-            self._apply_moment2_normalization(piece, blocks[i], group["beta2"], group["eps"])
-            for i, piece in zip(computed, pieces, strict=True)
+            self._apply_moment2_normalization(piece, block, group["beta2"], group["eps"])
+            for piece, block in zip(unsplit.chunk(partitions, dim), blocks, strict=True)
         ]
-        self._computed[param] = computed
-        update = updates[0] if len(updates) == 1 else torch.cat(updates)
-        return self._apply_muon_scale(update, parts.rows, parts.cols)
+        self._computed[param] = list(range(partitions))
+        return torch.cat(updates, dim)
 
     def _apply_update(self, param: torch.Tensor, group: dict, update: torch.Tensor) -> None:
         """adamuon / namo on this rank's rows of the raw NS result, Muon's scale, the update."""
