@@ -16,10 +16,13 @@ MoE GPT: 4 experts, all-to-all dispatcher, RoPE):
   iteration (Megatron's end-of-run save: ``SAVE_AT`` is not a multiple of ``--save-interval``
   there): every tensor of both saves, params and optimizer state, is bitwise the DP = 2 one.
 
-adaptive_muon runs ``adamuon``, the second-moment method that runs at TP > 1
-(``sharded/adaptive_muon.py``: megatron-core computes normuon's and namo's second moment per TP
-partition, refused by name; ``tests/test_sharded_adaptive_muon.py``). Lion is elementwise: it runs
-on the row shards of the DTensors as they are.
+adaptive_muon runs ``adamuon`` (elementwise: its state is the same at TP = 1, so it reloads there)
+and ``normuon`` (``stock`` and ``ours`` only: megatron-core computes its second moment, state and
+scale per TP partition, a state that has no TP = 1 meaning; ``sharded/moment2_partitions.py``).
+normuon's saved state holds every TP partition's, stacked along dim 0, each filled. namo and every
+method under each tp_mode are checked against the stock class at TP = 2 x DP = 2 on row shards
+(``tests/test_sharded_adaptive_muon_tensor_parallel.py``). Lion is elementwise: it runs on the
+row shards of the DTensors as they are.
 
 Learning rates: adamuon's first update is about ``sign(x) / sqrt(1 - beta2)`` per element and
 Lion's is ``sign(...)`` per element, so an element near zero whose sign a reduction-order rounding
@@ -58,13 +61,16 @@ TP2_EP2 = [
     *("--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2").split(),
     *("--micro-batch-size 2 --muon-tp-mode duplicated").split(),
 ]
+_ADAPTIVE = (
+    "--optimizer adaptive_muon --lr 0.001 --muon-fp32-matmul-prec high --adaptive-muon-beta2 0.9"
+)
 OPTIMIZERS = {
-    "adaptive_muon": [
-        *("--optimizer adaptive_muon --lr 0.001 --muon-fp32-matmul-prec high").split(),
-        *("--adaptive-muon-moment2-method adamuon --adaptive-muon-beta2 0.9").split(),
-    ],
+    "adaptive_muon": [*_ADAPTIVE.split(), "--adaptive-muon-moment2-method", "adamuon"],
+    "normuon": [*_ADAPTIVE.split(), "--adaptive-muon-moment2-method", "normuon"],
     "lion": "--optimizer lion --lr 0.0003 --lion-beta1 0.9 --lion-beta2 0.97".split(),
 }
+# Their DP=2 checkpoint reloads at TP = 1 (normuon's per-partition state does not: docstring).
+RESHARDED = ("adaptive_muon", "lion")
 
 
 # Megatron's validate_args asks for it under tensor parallelism (install() sets it with
@@ -84,8 +90,10 @@ class Runs:
             [*flags, *TP2_EP2], nproc=4, megatron_fsdp=False, timeout=300, env=_TP_ENV
         )
         self.ours = run_megatron([*flags, *TP2_EP2, *strategy, *save], nproc=4, timeout=300)
-        load = ["--load", str(root / "dp2"), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
         self.resaved: dict[int, Path] = {}
+        if optimizer not in RESHARDED:
+            return
+        load = ["--load", str(root / "dp2"), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
         for dp in RESHARD_DP:
             out = root / f"dp{dp}"
             resave = [*("--train-iters", str(SAVE_AT), "--override-opt_param-scheduler")]
@@ -121,14 +129,15 @@ def test_tp2_ep2_on_megatron_fsdp_equals_the_stock_optimizer_at_the_same_layout(
     if optimizer == "lion":  # elementwise: one Lion over every row shard, dense and expert
         assert "megatron-muon Lion:" in summary, summary
     else:
-        assert "AdaptiveMuon(adamuon)[dense]" in summary, summary
+        method = "normuon" if optimizer == "normuon" else "adamuon"
+        assert f"AdaptiveMuon({method})[dense]" in summary, summary
         assert "over dp_cp (2 ranks) x tp (2 ranks)" in summary, summary
         assert "over expt_dp (1 rank) x expt_tp (2 ranks)" in summary, summary
     assert_same_losses(run.series("lm loss"), reference.series("lm loss"))
     assert_same_losses(run.series("grad norm"), reference.series("grad norm"))
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("optimizer", RESHARDED)
 def test_a_dp2_checkpoint_loads_at_dp1_and_dp3_bitwise(
     optimizer: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -142,3 +151,31 @@ def test_a_dp2_checkpoint_loads_at_dp1_and_dp3_bitwise(
         assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors, dp
         differing = [k for k in tensors if not torch.equal(got[k], saved[k])]
         assert not differing, f"DP={dp}: {differing}"
+
+
+# normuon's saved state (``moment2_partitions.state_shape``) of each matrix of the tiny MoE GPT
+# (hidden 64, 4 heads, 4 experts of FFN 256): at TP = 2 each TP partition's per-row or per-column
+# state (the partition's longer side), the 2 partitions stacked along dim 0. The router is not
+# split: AdaptiveMuon's own.
+_SAVED_SHAPES = {
+    "self_attention.linear_qkv.weight": (192, 1),  # column-parallel, partitions (96, 64): rows
+    "self_attention.linear_proj.weight": (128, 1),  # row-parallel, partitions (64, 32): rows
+    "linear_fc1.weight": (256, 1),  # expert, column-parallel, partitions (128, 64): rows
+    "linear_fc2.weight": (2, 128),  # expert, row-parallel, partitions (64, 128): columns
+    "router.weight": (1, 64),  # (4, 64), replicated over TP: columns
+}
+
+
+def test_normuon_checkpoint_holds_every_tp_partitions_state(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    saved = load_fsdp_dtensor_checkpoint(runs_of("normuon", tmp_path_factory).saved)
+    states = {k: v for k, v in saved.items() if k.endswith(".moment2_buffer")}
+    assert states, sorted(saved)
+    for key, state in states.items():
+        name = key.removesuffix(".moment2_buffer")
+        (expected,) = [shape for end, shape in _SAVED_SHAPES.items() if name.endswith(end)]
+        assert tuple(state.shape) == expected, (key, tuple(state.shape))
+        # Every partition's block was filled by the ranks that computed it (not left at zeros).
+        count = 1 if name.endswith("router.weight") else 2
+        assert all(block.max() > 0 for block in state.chunk(count)), key

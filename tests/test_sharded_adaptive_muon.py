@@ -134,26 +134,7 @@ def _run(rank: int, world_size: int) -> dict:
                 "errors": _errors(params, optimizer, reference_params, reference, starts),
                 "replicated": replicated,
             }
-    results["tensor-parallel refusal"] = _tensor_parallel_refusal(fulls)
     return results
-
-
-def _tensor_parallel_refusal(fulls: list[torch.Tensor]) -> str:
-    """normuon's error for params whose tensor-parallel group (here: all ranks) has several ranks;
-    adamuon (elementwise) is built there."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    tp = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
-    _sharded([torch.nn.Parameter(f.clone()) for f in fulls], "adamuon", "owner", pg_collection=tp)
-    try:
-        _sharded(
-            [torch.nn.Parameter(f.clone()) for f in fulls], "normuon", "owner", pg_collection=tp
-        )
-    except ValueError as error:
-        return str(error)
-    return "not refused"
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -177,10 +158,6 @@ def test_one_rank_without_torch_distributed_equals_adaptive_muon(method: str) ->
 def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> None:
     results = run_on_ranks(_run, world_size)
     for rank, by_case in enumerate(results):
-        refusal = by_case.pop("tensor-parallel refusal")
-        assert "moment2_method='normuon' runs at tensor-parallel size 1 only" in refusal, refusal
-        assert f"got size {world_size}" in refusal, refusal
-        assert "tp_mode='blockwise'" in refusal, refusal
         for case, result in by_case.items():
             assert max(result["errors"].values()) <= TOLERANCE, (rank, case, result["errors"])
     for case in results[0]:

@@ -17,10 +17,11 @@ orthogonalizes without the scale (``sharded.adaptive_muon.raw_orthogonalize_fn``
 Newton-Schulz, second moment, Muon's scale once (QKV split and tensor parallelism as
 ``TensorParallelMuon`` has them). At tensor-parallel size > 1 the second moment and the scale
 apply to the TP rank's partition (``AdaptiveMuon.step`` on the TP-local param), which
-``ShardedAdaptiveMuon`` matches for adamuon. ``install()`` puts it in megatron-core's
-emerging-optimizer registry for ``"adaptive_muon"``; ``megatron_lm.install()`` calls it after its
-megatron-core version check. Without Megatron-FSDP, Megatron-LM's loop then trains with it; with
-Megatron-FSDP the factory builds ``ShardedAdaptiveMuon`` instead.
+``ShardedAdaptiveMuon`` matches for every moment2 method (``sharded.moment2_partitions``).
+``install()`` puts it in megatron-core's emerging-optimizer registry for ``"adaptive_muon"``;
+``megatron_lm.install()`` calls it after its megatron-core version check. Without Megatron-FSDP,
+Megatron-LM's loop then trains with it; with Megatron-FSDP the factory builds
+``ShardedAdaptiveMuon`` instead.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ method lets it live, calling ``AdaptiveMuon``'s own ``_apply_moment2_normalizati
 - ``"normuon"``: a mean along the longer side, then the raw result's Frobenius norm restored: it
   needs the whole matrix, so it runs on the owner, on the full matrix, inside the owner pipeline
   (``ShardedMuon._finish_matrix``). Its state (``(rows, 1)`` or ``(1, cols)``, plain tensors of the
-  global shape, replicated) is updated there, then sent from the owners to every rank in one
-  all_reduce per step (owners add their new values, the others zeros: exact).
+  global shape, replicated) is updated there, then copied from the owners to every rank in one
+  all_reduce per step (``moment2_partitions.share_states``: exact).
 - ``"namo"``: a scalar from the Frobenius norms of the raw gradient and of the NS input. Each
   rank's sums of squares are summed over ``dp_group`` in one all_reduce per step, before NS; every
   rank then updates its replicated ``(1,)`` state identically and scales its rows. The function is
@@ -24,21 +24,24 @@ method lets it live, calling ``AdaptiveMuon``'s own ``_apply_moment2_normalizati
 update functions, not these) and get plain tensors: local rows (``local_tensor``), the owner's
 full matrix, or the replicated state; never a DTensor whose global shape differs from its rows.
 
-Tensor parallelism (``adamuon`` only): megatron-core's ``TensorParallelAdaptiveMuon`` (fixed by
+Tensor parallelism: megatron-core's ``TensorParallelAdaptiveMuon`` (fixed by
 ``integrations.adaptive_muon_fix``) applies the second moment and Muon's scale to what its
 ``orthogonalize`` returns, the TP rank's partition: under tp_mode duplicated / distributed the
 partition of the unsplit matrix's raw NS, under blockwise the partition's own NS, under both scaled
 by the partition's shape (``_apply_muon_scale(update, update.size(-2), update.size(-1))``).
 ``ShardedAdaptiveMuon`` computes the same: NS as ``ShardedMuon`` (``TensorParallelMuon``'s
 ``orthogonalize`` with the unscaled ``raw_orthogonalize_fn``; layer_sharded is duplicated's update),
-the elementwise second moment on each rank's rows, Muon's scale by the TP partition's shape
-(``partition_shape``). normuon and namo compute their second moment per TP partition in the stock
-class, a state that differs between TP ranks; they are refused at TP size > 1.
+then the second moment per TP partition: adamuon elementwise on each rank's rows; normuon on the
+owner's partition (under layer_sharded on each partition of the unsplit NS result, the views
+duplicated's ``newton_schulz_tp`` takes: bitwise duplicated's); namo with each partition's norms
+(the sums of squares over ``dp_group`` are the partition's); each with its partition's state
+(``moment2_partitions``: every partition's, stacked along dim 0, on every rank); Muon's scale by
+the partition's shape (``moment2_partitions.partitions_of``).
 
-Refused at build time (``ValueError`` naming the setting): ``"normuon"`` or ``"namo"`` at
-tensor-parallel size > 1 (above), params that are not 2-D (as ``AdaptiveMuon``), ``"namo"`` with
-L2 weight decay (as ``AdaptiveMuon``), and a ``min_split_flops`` other than the default (NS is
-never split over ranks here: the second moment needs the whole matrix on one rank).
+Refused at build time (``ValueError`` naming the setting): params that are not 2-D (as
+``AdaptiveMuon``), ``"namo"`` with L2 weight decay (as ``AdaptiveMuon``), and a
+``min_split_flops`` other than the default (NS is never split over ranks here: the second moment
+needs the whole matrix on one rank).
 """
 
 from __future__ import annotations
@@ -52,19 +55,24 @@ import torch
 import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import check_choice
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import group_ranks, local_tensor, mesh_axes
+from megatron_muon.sharded.layout import local_tensor
+from megatron_muon.sharded.moment2_partitions import (
+    Partitions,
+    partitions_of,
+    share_states,
+    state_shape,
+)
 from megatron_muon.sharded.optimizer_plan import OptimizerPlan
 from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
 from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.tensor_parallel import stock_tp_mode, tp_group
+from megatron_muon.sharded.tensor_parallel import stock_tp_mode
 
-__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon", "partition_shape", "raw_orthogonalize_fn"]
+__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon", "raw_orthogonalize_fn"]
 
 # No matrix's NS is split over ranks: the second moment needs each whole matrix on one rank.
 _NEVER_SPLIT = 2**62
@@ -142,17 +150,6 @@ def raw_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str)
     return orthogonalize
 
 
-def partition_shape(param: torch.Tensor, dp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """``(rows, cols)`` of the TP rank's partition of ``param``: the shape megatron-core's
-    ``TensorParallelAdaptiveMuon`` scales by. A DTensor's global shape with each tensor-parallel
-    split dim divided by its ranks (Megatron splits evenly); a plain tensor's own shape."""
-    shape = list(param.shape[-2:])
-    if isinstance(param, DTensor):
-        for split in mesh_axes(param, group_ranks(dp_group)).tensor_parallel:
-            shape[split.dim] //= len(split.ranks)
-    return shape[0], shape[1]
-
-
 @dataclass(frozen=True, slots=True)
 class _UnscaledNSConfig(NSConfig):
     """``NSConfig`` whose NS results are not scaled (``AdaptiveMuon`` scales after moment2)."""
@@ -172,8 +169,9 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
         **kwargs: ``ShardedMuon``'s other keywords (``dp_group``, ``pg_collection``, ...).
 
     State per param on every rank: ``momentum_buffer`` (like the param) and ``moment2_buffer``
-    (``AdaptiveMuon._init_group``'s: like the param for adamuon; a plain replicated tensor of the
-    global ``(rows, 1)`` / ``(1, cols)`` shape for normuon, ``(1,)`` for namo).
+    (like the param for adamuon; for normuon and namo a plain tensor, the same on every rank:
+    ``AdaptiveMuon``'s ``(rows, 1)`` / ``(1, cols)`` / ``(1,)`` of the matrix, or with tensor
+    parallelism of each TP partition, stacked along dim 0, ``moment2_partitions``).
 
     Raises:
         ValueError: a setting this class cannot run exactly (module docstring), or one that
@@ -201,11 +199,13 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             )
         if adaptive.moment2_method == "namo" and not kwargs.get("use_decoupled_weight_decay", True):
             raise ValueError('moment2_method="namo" needs decoupled weight decay (as AdaptiveMuon)')
-        # Read by AdaptiveMuon._init_group, which ShardedMuon's constructor runs.
+        # Read by _init_group, which ShardedMuon's constructor runs.
         self.moment2_method = adaptive.moment2_method
+        self._partitions: dict[torch.Tensor, Partitions] = {}
+        self._computed: dict[torch.Tensor, list[int]] = {}
+        self._groups: dict[torch.Tensor, dict] = {}
         fsdp = replace(fsdp, min_split_flops=_NEVER_SPLIT)
         super().__init__(params, lr, weight_decay, muon=muon, fsdp=fsdp, **kwargs)
-        self._check_tensor_parallelism()
         # NS through TensorParallelMuon.orthogonalize (TP-split matrices) unscaled as well.
         self.scaled_orthogonalize_fn = raw_orthogonalize_fn(
             self.muon_config.num_ns_steps,
@@ -223,29 +223,40 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             group.setdefault("eps", adaptive.eps)
         self._namo: dict[torch.Tensor, tuple[torch.Tensor, dict]] = {}
         self._namo_scales: dict[torch.Tensor, torch.Tensor] = {}
-        self._partition_shapes: dict[torch.Tensor, tuple[int, int]] = {}
 
-    def _check_tensor_parallelism(self) -> None:
-        if self.moment2_method == "adamuon":
-            return
-        for param in self._all_params():
-            group = tp_group(param, self.pg_collection)
-            size = dist.get_world_size(group) if group is not None else 1
-            if size > 1:
-                raise ValueError(
-                    f"ShardedAdaptiveMuon: moment2_method={self.moment2_method!r} runs at "
-                    f"tensor-parallel size 1 only, got size {size} (tp_mode={self.tp_mode!r}): "
-                    "megatron-core's TensorParallelAdaptiveMuon computes its second moment per "
-                    "TP partition, a state that differs between TP ranks; use 'adamuon' "
-                    "(elementwise) with tensor parallelism"
-                )
+    def _parts(self, param: torch.Tensor) -> Partitions:
+        """How tensor parallelism splits ``param`` (``moment2_partitions``), kept per param."""
+        parts = self._partitions.get(param)
+        if parts is None:
+            parts = self._partitions[param] = partitions_of(param, self.dp_group)
+        return parts
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        """The param group holding ``param``."""
+        group = self._groups.get(param)
+        if group is None:
+            self._groups = {p: g for g in self.param_groups for p in g["params"]}
+            group = self._groups[param]
+        return group
 
     def _partition_shape(self, param: torch.Tensor) -> tuple[int, int]:
-        """The shape Muon's scale is computed from (``partition_shape``), kept per param."""
-        shape = self._partition_shapes.get(param)
-        if shape is None:
-            shape = self._partition_shapes[param] = partition_shape(param, self.dp_group)
-        return shape
+        """The shape Muon's scale is computed from: the TP partition's."""
+        parts = self._parts(param)
+        return parts.rows, parts.cols
+
+    @torch.no_grad()
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """``AdaptiveMuon._init_group``; normuon's and namo's new state then holds one block per
+        TP partition (``moment2_partitions.state_shape``; AdaptiveMuon's own without TP)."""
+        new = [p for p in group["params"] if not self.state[p]]
+        super()._init_group(group, skip_non_grad_params)
+        if self.moment2_method == "adamuon":
+            return
+        for param in new:
+            state = self.state[param]
+            if "moment2_buffer" in state:
+                shape = state_shape(self.moment2_method, self._parts(param))
+                state["moment2_buffer"] = state["moment2_buffer"].new_zeros(shape)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``ShardedMuon.add_param_group``, refusing params that are not 2-D (``AdaptiveMuon``'s
@@ -275,21 +286,47 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
 
     @contextmanager
     def _around_orthogonalization(self, plan: OptimizerPlan, active: list[bool]) -> Iterator[None]:
-        """namo: the global norms and each matrix's scalar before NS; normuon: the owners' new
-        second moments to every rank after it. Collective over ``dp_group``."""
+        """namo: the partitions' norms and each matrix's scalar before NS; after NS, the new
+        second moments (normuon: the owners'; namo: each TP rank's partition) to every rank.
+        Collective over ``dp_group`` and the params' TP groups."""
         if self.moment2_method == "namo":
             self._namo_scales = self._namo_scalars(plan, active)
         yield
-        if self.moment2_method == "normuon":
-            self._share_owners_moment2(plan, active)
+        if self.moment2_method != "adamuon":
+            self._share_moment2(plan, active)
 
     def _finish_matrix(self, param: torch.Tensor, group: dict, full: torch.Tensor) -> torch.Tensor:
-        """normuon on the full raw NS result (owner): second moment, norm matched, Muon's scale."""
+        """normuon on the raw NS result (owner): ``full`` is this rank's TP partition (or the
+        unsplit matrix), its state block updated here; or under layer_sharded the partitions
+        stacked along dim 0, normalized already (``_finish_unsplit``). Then Muon's scale by the
+        partition's shape."""
         if self.moment2_method != "normuon":
             return full
-        moment2 = self.state[param]["moment2_buffer"]
-        update = self._apply_moment2_normalization(full, moment2, group["beta2"], group["eps"])
-        return self._apply_muon_scale(update, full.shape[-2], full.shape[-1])
+        parts = self._parts(param)
+        if full.shape[0] == parts.rows:
+            moment2 = self.state[param]["moment2_buffer"].chunk(parts.count)[parts.index]
+            full = self._apply_moment2_normalization(full, moment2, group["beta2"], group["eps"])
+            self._computed[param] = [parts.index]
+        elif len(self._computed.get(param, ())) != parts.count:  # never: _finish_unsplit ran
+            raise RuntimeError(f"normuon: stacked partitions {tuple(full.shape)} not normalized")
+        return self._apply_muon_scale(full, parts.rows, parts.cols)
+
+    def _finish_unsplit(
+        self, param: torch.Tensor, unsplit: torch.Tensor, partitions: int, dim: int
+    ) -> torch.Tensor:
+        """layer_sharded, normuon: each TP partition's second moment on the owner, on the very
+        views duplicated's ``newton_schulz_tp`` hands the stock class (``unsplit.chunk(partitions,
+        dim)``, strides included: the same reduction order), with its state block."""
+        if self.moment2_method != "normuon":
+            return unsplit
+        group = self._group_of(param)
+        blocks = self.state[param]["moment2_buffer"].chunk(partitions)
+        updates = [
+            self._apply_moment2_normalization(piece, block, group["beta2"], group["eps"])
+            for piece, block in zip(unsplit.chunk(partitions, dim), blocks, strict=True)
+        ]
+        self._computed[param] = list(range(partitions))
+        return torch.cat(updates, dim)
 
     def _apply_update(self, param: torch.Tensor, group: dict, update: torch.Tensor) -> None:
         """adamuon / namo on this rank's rows of the raw NS result, Muon's scale, the update."""
@@ -324,7 +361,9 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             self.step_stats.num_collectives += 1
         scalars = {}
         for param, (raw_sq, pre_sq), (_, group) in zip(params, sums, entries, strict=True):
-            moment2 = self.state[param]["moment2_buffer"]
+            parts = self._parts(param)
+            moment2 = self.state[param]["moment2_buffer"][parts.index : parts.index + 1]
+            self._computed[param] = [parts.index]
             one = torch.ones(1, dtype=moment2.dtype, device=moment2.device)
             scalars[param] = self._apply_moment2_normalization(
                 one,
@@ -336,28 +375,24 @@ class ShardedAdaptiveMuon(ShardedMuon, AdaptiveMuon):
             )
         return scalars
 
-    def _share_owners_moment2(self, plan: OptimizerPlan, active: list[bool]) -> None:
-        """Every rank's normuon second moments become their owners' (one all_reduce over
-        ``dp_group``: the owner adds its values, every other rank zeros). In gather mode and on
-        one rank every rank computed every matrix: nothing to share."""
-        runtime = plan.runtime
-        if self.fsdp_config.mode != "owner" or runtime.num_ranks == 1:
-            return
-        buffers, owned = [], []
-        for matrix_plan in plan.step_plan.matrices:
-            index = matrix_plan.matrix.param
-            if active[index]:
-                buffers.append(self.state[plan.params[index]]["moment2_buffer"])
-                owned.append(matrix_plan.work[0].rank == runtime.rank)
-        if not buffers:
-            return
-        flat = torch.cat(
-            [
-                b.flatten() if mine else b.new_zeros(b.numel())
-                for b, mine in zip(buffers, owned, strict=True)
-            ]
+    def _share_moment2(self, plan: OptimizerPlan, active: list[bool]) -> None:
+        """Every rank's normuon / namo states become the values computed this step
+        (``moment2_partitions.share_states``): normuon's over ``dp_group`` in owner mode (the
+        owner computed them) and over TP groups; namo's over TP groups only (every rank of a TP
+        coordinate computed its partition's). One rank without TP: nothing to share."""
+        params = [p for i, p in enumerate(plan.params) if active[i]]
+        over_dp = (
+            self.moment2_method == "normuon"
+            and self.fsdp_config.mode == "owner"
+            and plan.runtime.num_ranks > 1
         )
-        dist.all_reduce(flat, group=self.dp_group)
-        self.step_stats.num_collectives += 1
-        for buffer, values in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
-            buffer.copy_(values.view_as(buffer))
+        parts = [self._parts(p) for p in params]
+        if not over_dp and all(part.group is None for part in parts):
+            self._computed.clear()
+            return
+        states = [self.state[p]["moment2_buffer"] for p in params]
+        computed = [self._computed.get(p, []) for p in params]
+        self._computed.clear()
+        self.step_stats.num_collectives += share_states(
+            states, computed, parts, self.dp_group, over_dp=over_dp
+        )

@@ -267,6 +267,13 @@ class ShardedMuon(TensorParallelMuon):
         # Hook: after NS, on the rank holding the whole fp32 matrix; Muon's update is NS's result.
         return full
 
+    def _finish_unsplit(
+        self, param: torch.Tensor, unsplit: torch.Tensor, partitions: int, dim: int
+    ) -> torch.Tensor:
+        # Hook: layer_sharded, on the owner, NS's result of the unsplit matrix (its TP partitions
+        # along dim, as duplicated's newton_schulz_tp chunks it), before they are stacked.
+        return unsplit
+
     def _around_orthogonalization(
         self, plan: OptimizerPlan, active: list[bool]
     ) -> AbstractContextManager:
@@ -296,6 +303,7 @@ class ShardedMuon(TensorParallelMuon):
                 join_partitions(full, count, dim),
                 matrix.qkv_split_shapes,
             )
+            unsplit = self._finish_unsplit(param, unsplit, count, dim)
             result, (rows, cols) = stack_partitions(unsplit, count, dim), matrix.ns_shape
         else:
             result = self.orthogonalize(param, full)
