@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tests.torchrun import MegatronRun
+from tests.torchrun import MegatronRun, run_megatron
 
 RELATIVE_TOLERANCE = 1e-5  # the log prints 7 significant digits
 
@@ -85,3 +85,31 @@ def assert_resumed_bitwise(
     differing = [k for k in tensors if not torch.equal(got[k], expected_state[k])]
     assert not differing, f"resumed run differs from the uninterrupted one in {differing}"
     return tensors
+
+
+def resave_at_dp(flags: list[str], load: Path, save_at: int, dp: int, out: Path) -> Path:
+    """Loads the checkpoint ``load`` saved at iteration ``save_at`` on ``dp`` ranks (Megatron-FSDP,
+    ``flags``' model and optimizer) and saves it again, training nothing; returns the new
+    ``iter_XXXXXXX`` directory. ``--train-iters save_at`` ends the loop at once, and Megatron's
+    exit save writes the loaded state (``save_at`` is no multiple of the save interval 3)."""
+    loading = ["--load", str(load), "--ckpt-step", str(save_at), "--no-load-rng"]
+    resave = [*("--train-iters", str(save_at), "--override-opt_param-scheduler")]
+    resave += ["--save", str(out), "--save-interval", "3"]
+    batch = ["--micro-batch-size", "1", "--global-batch-size", str(dp)]
+    run_megatron([*flags, *batch, *loading, *resave], nproc=dp, timeout=300)
+    return out / f"iter_{save_at:07d}"
+
+
+def assert_resaved_bitwise(saved: Path, resaved: dict[int, Path]) -> list[str]:
+    """Every tensor of each DP size's re-saved checkpoint (``resave_at_dp``) is bitwise the one
+    in ``saved``, optimizer state included; returns the state keys."""
+    expected = load_fsdp_dtensor_checkpoint(saved)
+    tensors = sorted(k for k, v in expected.items() if torch.is_tensor(v))
+    state = [k for k in tensors if "optimizer" in k and "state" in k]
+    assert state, tensors
+    for dp, directory in resaved.items():
+        got = load_fsdp_dtensor_checkpoint(directory)
+        assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors, dp
+        differing = [k for k in tensors if not torch.equal(got[k], expected[k])]
+        assert not differing, f"DP={dp}: {differing}"
+    return state

@@ -42,9 +42,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.megatron_lm_logs import assert_same_losses, load_fsdp_dtensor_checkpoint
+from tests.megatron_lm_logs import (
+    assert_resaved_bitwise,
+    assert_same_losses,
+    load_fsdp_dtensor_checkpoint,
+    resave_at_dp,
+)
 from tests.torchrun import run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
@@ -93,14 +97,10 @@ class Runs:
         self.resaved: dict[int, Path] = {}
         if optimizer not in RESHARDED:
             return
-        load = ["--load", str(root / "dp2"), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
-        for dp in RESHARD_DP:
-            out = root / f"dp{dp}"
-            resave = [*("--train-iters", str(SAVE_AT), "--override-opt_param-scheduler")]
-            resave += ["--save", str(out), "--save-interval", "3"]
-            batch = ["--micro-batch-size", "1", "--global-batch-size", str(dp)]
-            run_megatron([*flags, *strategy, *batch, *load, *resave], nproc=dp, timeout=300)
-            self.resaved[dp] = out / f"iter_{SAVE_AT:07d}"
+        self.resaved = {
+            dp: resave_at_dp([*flags, *strategy], root / "dp2", SAVE_AT, dp, root / f"dp{dp}")
+            for dp in RESHARD_DP
+        }
 
 
 _RUNS: dict[str, Runs] = {}
@@ -142,15 +142,7 @@ def test_a_dp2_checkpoint_loads_at_dp1_and_dp3_bitwise(
     optimizer: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     runs = runs_of(optimizer, tmp_path_factory)
-    saved = load_fsdp_dtensor_checkpoint(runs.saved)
-    tensors = sorted(k for k, v in saved.items() if torch.is_tensor(v))
-    state = [k for k in tensors if "optimizer" in k and "state" in k]
-    assert state, tensors
-    for dp, directory in runs.resaved.items():
-        got = load_fsdp_dtensor_checkpoint(directory)
-        assert sorted(k for k, v in got.items() if torch.is_tensor(v)) == tensors, dp
-        differing = [k for k in tensors if not torch.equal(got[k], saved[k])]
-        assert not differing, f"DP={dp}: {differing}"
+    assert_resaved_bitwise(runs.saved, runs.resaved)
 
 
 # normuon's saved state (``moment2_partitions.state_shape``) of each matrix of the tiny MoE GPT

@@ -8,7 +8,9 @@ Launched: ``ShardedSOAP`` + AdamW under ``--use-megatron-fsdp --ckpt-format fsdp
 DP=2, every sharding strategy: 8 iterations' losses and grad norms equal **one rank running
 megatron-core's own soap without Megatron-FSDP** (its DDP, same flags) to the printed digits; the
 optim_grads_params run saves at 4 and 8, and a run resumed from 4 in fresh processes prints the
-same losses and saves bitwise the same state (every SOAP tensor included) at 8. Six launches.
+same losses and saves bitwise the same state (every SOAP tensor included) at 8; its checkpoint at
+4 loads at DP=1 and at DP=3 (an empty shard; each matrix's owner changes with the DP size) and
+saves back every tensor bitwise. Eight launches.
 
 SOAP's update turns a gradient's last-bit differences into visible ones (its first step is Adam,
 ``g / (|g| + 1e-8)``, in the eigenbasis of ``L = G G^T``, whose null space holds only rounding
@@ -45,7 +47,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.megatron_lm_logs import assert_loss_falls, assert_resumed_bitwise, assert_same_losses
+from tests.megatron_lm_logs import (
+    assert_loss_falls,
+    assert_resaved_bitwise,
+    assert_resumed_bitwise,
+    assert_same_losses,
+    resave_at_dp,
+)
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -153,3 +161,19 @@ def test_soap_resumes_bitwise_from_fsdp_dtensor_checkpoint(checkpoint_root: Path
     tensors = assert_resumed_bitwise(uninterrupted, resumed, checkpoint_root, SAVE_AT, NUM_ITERS)
     eigenbases = [k for k in tensors if k.endswith(".Q_L")]
     assert len(eigenbases) == 8, tensors  # every SOAP matrix's state is in the checkpoint
+
+
+@pytest.mark.multirank
+def test_a_dp2_soap_checkpoint_loads_at_dp1_and_dp3_bitwise(checkpoint_root: Path) -> None:
+    soap_dp2(SAVING, checkpoint_root)
+    flags = [*FLAGS, "--data-parallel-sharding-strategy", SAVING]
+    resaved = {
+        dp: resave_at_dp(
+            flags, checkpoint_root / "uninterrupted", SAVE_AT, dp, checkpoint_root / f"dp{dp}"
+        )
+        for dp in (1, 3)
+    }
+    state = assert_resaved_bitwise(
+        checkpoint_root / "uninterrupted" / f"iter_{SAVE_AT:07d}", resaved
+    )
+    assert [k for k in state if k.endswith(".Q_L")], state  # the eigenbases, from their owners
