@@ -48,6 +48,11 @@ __all__ = ["FsdpChainedOptimizer", "global_grad_norm", "global_num_zeros"]
 logger = logging.getLogger(__name__)
 
 
+# Elements per fp32 norm in ``_sum_of_squares``: short enough that fp32 accumulation is exact to
+# ~1e-8, long enough that the per-piece norms are few (1/1024 of the grad).
+_NORM_CHUNK = 1024
+
+
 def _replication(grad: torch.Tensor, group_size: int) -> int:
     """How many ranks of the stats group hold this same local piece of the gradient."""
     if not isinstance(grad, DTensor):
@@ -134,11 +139,21 @@ def global_grad_norm(
 
 
 def _sum_of_squares(local: torch.Tensor) -> torch.Tensor:
-    """Sum of the squares of one local grad, float64 scalar: summed in fp32 by torch's pairwise
-    reduction (relative error ~1e-7 at millions of elements), then widened. A float64 sum over the
-    whole tensor would first copy it to float64 (measured on CPU: 41 against 3.6 ms for 4.2M
-    elements)."""
-    return local.detach().float().square().sum().double()
+    """Sum of the squares of one local grad, float64 scalar, in one pass and no grad-sized
+    temporary: the fp32 norms of its consecutive ``_NORM_CHUNK``-element pieces (torch's
+    vectorized norm), squared and summed in float64. Relative error up to ~1e-7, each piece's
+    fp32 rounding (measured 1e-9 at 4.2M elements; the fp32 norm of a whole 4.2M-element tensor:
+    1.6e-4). ``square().sum()`` (1e-7) writes and reads a grad-sized temporary; a float64 sum first
+    copies the tensor to float64 (41 against 3.6 ms for 4.2M elements on CPU)."""
+    flat = local.detach().reshape(-1)
+    whole = flat.numel() - flat.numel() % _NORM_CHUNK
+    pieces = torch.linalg.vector_norm(
+        flat[:whole].view(-1, _NORM_CHUNK), dim=1, dtype=torch.float32
+    )
+    total = pieces.double().square().sum()
+    if whole < flat.numel():
+        total = total + flat[whole:].double().square().sum()
+    return total
 
 
 def global_num_zeros(
