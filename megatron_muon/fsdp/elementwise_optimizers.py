@@ -119,7 +119,7 @@ def _stepping_local_rows(optimizer: Lion) -> None:
                 grad = local_tensor(param.grad)
                 if grad.numel() == 0:
                     continue
-                rows = local_tensor(param.data)
+                rows = local_tensor(param)  # its storage; ``param.data`` would build a DTensor
                 exp_avg = local_tensor(optimizer.state[param]["exp_avg"])
                 optimizer._apply_weight_decay_inplace(rows, grad, lr, weight_decay)
                 update = calculate_lion_update(grad, exp_avg, betas=group["betas"])
