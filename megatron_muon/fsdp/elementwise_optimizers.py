@@ -88,7 +88,8 @@ def _adam_on_local_tensors(optimizer: torch.optim.Adam) -> None:
             values[:] = [local_tensor(value) for value in values]
         return has_complex
 
-    optimizer._init_group = init_group_on_local_tensors  # type: ignore[method-assign]
+    # This instance's method only (the step of every other Adam is untouched).
+    optimizer._init_group = init_group_on_local_tensors  # type: ignore[method-assign]  # instance
 
 
 def _stepping_local_rows(optimizer: Lion) -> None:
