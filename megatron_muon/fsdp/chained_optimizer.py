@@ -48,6 +48,11 @@ __all__ = ["FsdpChainedOptimizer", "global_grad_norm", "global_num_zeros"]
 logger = logging.getLogger(__name__)
 
 
+# Elements per fp32 norm in ``_norm_parts``: short enough that fp32 accumulation is exact to
+# ~1e-8, long enough that the per-piece norms are few (1/1024 of the grad).
+_NORM_CHUNK = 1024
+
+
 def _replication(grad: torch.Tensor, group_size: int) -> int:
     """How many ranks of the stats group hold this same local piece of the gradient."""
     if not isinstance(grad, DTensor):
@@ -80,20 +85,23 @@ def _local_grad(param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 
 def _global_sum(
     params: Sequence[torch.Tensor],
-    per_grad: Callable[[torch.Tensor], torch.Tensor],
+    parts: Callable[[torch.Tensor], list[torch.Tensor]],
+    combine: Callable[[torch.Tensor], torch.Tensor],
     *,
     grad_stats_group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None,
     expert_tp_group: dist.ProcessGroup | None,
 ) -> float:
-    """Sum of ``per_grad(local grad)`` over the full gradient, each piece counted once. Collective.
+    """A sum over the full gradient, each piece counted once. Collective.
 
-    ``per_grad`` maps one rank's local grad (any shape) to a float64 scalar tensor; each is
-    divided by the number of ranks holding the same piece, then summed over ``grad_stats_group``.
+    ``parts`` maps one rank's local grad (any shape) to 1-D tensors of one dtype; ``combine`` maps
+    the concatenated parts of several grads to their float64 sum (a scalar tensor). The grads are
+    grouped by the number of ranks holding the same piece, ``combine`` runs once per group (a few
+    kernels per step, not per grad) and its result is divided by that number; the total is summed
+    over ``grad_stats_group``.
     """
     group_size = dist.get_world_size(grad_stats_group)
-    # Accumulated on the grads' device (one host sync at the end), in float64.
-    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
+    by_replication: dict[int, list[torch.Tensor]] = {}
     for param in params:
         pair = _local_grad(param)
         if pair is None or not _counted(param, tp_group, expert_tp_group):
@@ -101,7 +109,11 @@ def _global_sum(
         grad, local = pair
         if local.numel() == 0:
             continue
-        total += per_grad(local) / _replication(grad, group_size)
+        by_replication.setdefault(_replication(grad, group_size), []).extend(parts(local))
+    # Accumulated on the grads' device (one host sync at the end), in float64.
+    total = torch.zeros(1, dtype=torch.float64, device=_reduction_device(params))
+    for replication, values in by_replication.items():
+        total += combine(torch.cat(values)) / replication
     if group_size > 1:
         dist.all_reduce(total, group=grad_stats_group)
     return float(total.item())
@@ -125,7 +137,8 @@ def global_grad_norm(
     """
     squares = _global_sum(
         params,
-        _sum_of_squares,
+        _norm_parts,
+        lambda values: values.double().square().sum(),
         grad_stats_group=grad_stats_group,
         tp_group=tp_group,
         expert_tp_group=expert_tp_group,
@@ -133,12 +146,20 @@ def global_grad_norm(
     return math.sqrt(squares)
 
 
-def _sum_of_squares(local: torch.Tensor) -> torch.Tensor:
-    """Sum of the squares of one local grad, float64 scalar: summed in fp32 by torch's pairwise
-    reduction (relative error ~1e-7 at millions of elements), then widened. A float64 sum over the
-    whole tensor would first copy it to float64 (measured on CPU: 41 against 3.6 ms for 4.2M
-    elements)."""
-    return local.detach().float().square().sum().double()
+def _norm_parts(local: torch.Tensor) -> list[torch.Tensor]:
+    """fp32 values whose squares sum to one local grad's sum of squares, in one pass and no
+    grad-sized temporary: the fp32 norms of its consecutive ``_NORM_CHUNK``-element pieces (torch's
+    vectorized norm) and its last elements; ``global_grad_norm`` squares and sums them in float64.
+    Relative error up to ~1e-7, each piece's fp32 rounding (measured 1e-9 at 4.2M elements; the
+    fp32 norm of a whole 4.2M-element tensor: 1.6e-4). ``square().sum()`` (1e-7) writes and reads a
+    grad-sized temporary; a float64 sum first copies the tensor to float64 (41 against 3.6 ms for
+    4.2M elements on CPU)."""
+    flat = local.detach().reshape(-1)
+    whole = flat.numel() - flat.numel() % _NORM_CHUNK
+    pieces = torch.linalg.vector_norm(
+        flat[:whole].view(-1, _NORM_CHUNK), dim=1, dtype=torch.float32
+    )
+    return [pieces, flat[whole:].float()]
 
 
 def global_num_zeros(
@@ -154,7 +175,8 @@ def global_num_zeros(
     """
     zeros = _global_sum(
         params,
-        lambda local: (local.numel() - torch.count_nonzero(local)).double(),
+        lambda local: [(local.numel() - torch.count_nonzero(local)).reshape(1)],
+        lambda values: values.double().sum(),
         grad_stats_group=grad_stats_group,
         tp_group=tp_group,
         expert_tp_group=expert_tp_group,

@@ -4,7 +4,8 @@ Their updates are elementwise, so megatron-core's classes run on each rank's row
 ``Shard(0)`` main params, uneven or empty) as they are; what this adds is state for every param on
 every rank at build time (a rank holding no rows of a param has ``grad is None`` there and the
 optimizer would never create it; ``fsdp_dtensor`` checkpoints then hang), torch's ``foreach``
-path on CPU, and Lion's step on each param's local rows (``_stepping_local_rows``).
+path on CPU, and each step on the params' local tensors (``_adam_on_local_tensors``,
+``_stepping_local_rows``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def megatron_core_optimizer(
     config: OptimizerConfig, chunks: list[torch.nn.Module], groups: list[dict], name: str
 ) -> tuple[torch.optim.Optimizer, Callable]:
     """megatron-core's AdamW / Lion over ``groups`` (its standard path, elementwise on the row
-    shards as they are), with state created for every param now."""
+    shards as they are), with state created for every param now: torch's AdamW and Lion step the
+    params' local tensors (``_adam_on_local_tensors``, ``_stepping_local_rows``)."""
     scalar_config = copy.copy(config)
     scalar_config.optimizer = name
     scalar_config.use_distributed_optimizer = False
@@ -39,6 +41,8 @@ def megatron_core_optimizer(
         skip_megatron_wrapping=True,
     )
     _foreach_on_every_device(optimizer)
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        _adam_on_local_tensors(optimizer)
     if isinstance(optimizer, Lion):
         _stepping_local_rows(optimizer)
     if creates_state(optimizer):
@@ -62,6 +66,30 @@ def _foreach_on_every_device(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if group.get("foreach") is None:
             group["foreach"] = True
+
+
+def _adam_on_local_tensors(optimizer: torch.optim.Adam) -> None:
+    """torch's Adam / AdamW step runs on the local tensors of the DTensor params, grads and moments.
+
+    ``Adam.step`` gathers each group's params, grads, moments and step counts
+    (``Adam._init_group``) and hands the lists to torch's ``adam`` function; here those lists hold
+    the local tensors (``local_tensor``: the same storage, updated in place), so each ``foreach``
+    op runs the kernel on the local rows directly instead of through DTensor's dispatch (which
+    runs the same kernel on the same local tensors, after propagating the placements of every
+    tensor of the list). Same arithmetic, element by element; measured on CPU (bench GPT, 69
+    params, 8.6M elements at DP=1): 2.4 ms less per step and no Python objects per tensor left for
+    the garbage collector (the DTensor path triggered about 7 collections per step).
+    """
+    init_group = optimizer._init_group
+
+    def init_group_on_local_tensors(group: dict, *lists: list[torch.Tensor]) -> bool:
+        has_complex = init_group(group, *lists)
+        for values in lists:
+            values[:] = [local_tensor(value) for value in values]
+        return has_complex
+
+    # This instance's method only (the step of every other Adam is untouched).
+    optimizer._init_group = init_group_on_local_tensors  # type: ignore[method-assign]  # instance
 
 
 def _stepping_local_rows(optimizer: Lion) -> None:
@@ -92,7 +120,7 @@ def _stepping_local_rows(optimizer: Lion) -> None:
                 grad = local_tensor(param.grad)
                 if grad.numel() == 0:
                     continue
-                rows = local_tensor(param.data)
+                rows = local_tensor(param)  # its storage; ``param.data`` would build a DTensor
                 exp_avg = local_tensor(optimizer.state[param]["exp_avg"])
                 optimizer._apply_weight_decay_inplace(rows, grad, lr, weight_decay)
                 update = calculate_lion_update(grad, exp_avg, betas=group["betas"])
