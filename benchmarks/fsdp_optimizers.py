@@ -10,7 +10,12 @@ defaults, clip 1.0, the run's NS precision):
 - **ours**: ``build_muon_optimizer`` (``benchmarks.training_step.Trainer``), one launch per DP
   size; one forward and backward, then the timed steps, each ``optimizer.step()`` of the step
   wrapper (grad norm, clipping, every sub-optimizer, the install of the new weights into the
-  compute weights), on the same grads;
+  compute weights), on the same grads. The GPT computes in fp32 on the CPU, so Megatron-FSDP keeps
+  no second fp32 copy of its weights for the optimizer (``main_params_dtype``: None, Megatron-LM's
+  ``--megatron-fsdp-main-params-dtype auto``), as the stock keeps none: with the copy (Megatron's
+  default fp32) each step also copies every weight into the compute weights, 14 ms of Lion's
+  ~90 ms step on the bench GPT (profiled), which the stock does not do. The params after a step
+  are bitwise the same either way;
 - **stock** (DP=1 only, in the same process, stepped in turn with ours): megatron-core's
   ``get_megatron_optimizer`` with the same ``OptimizerConfig`` on the same ``GPTModel``
   unwrapped, one rank: its ``ChainedOptimizer`` of the stock class (``TensorParallelMuon``,
@@ -104,6 +109,13 @@ class _StockTrainer:
         model(**gpt_batch(size, device)).float().mean().backward()
 
 
+def main_params_dtype(device: str) -> torch.dtype | None:
+    """Megatron-FSDP's main-weight dtype for ours: None (the compute weights are the main weights)
+    where the GPT computes in fp32 (CPU), as the unwrapped stock steps its fp32 weights in place;
+    fp32 beside bf16 compute weights (CUDA)."""
+    return None if device == "cpu" else torch.float32
+
+
 def _install_stock_fixes() -> None:
     """What ``megatron_lm.install()`` does to megatron-core's stock emerging optimizers."""
     from megatron_muon.integrations import adaptive_muon_fix, stock_lion
@@ -147,7 +159,7 @@ def _optimizer_steps(
         # launch: the classes built are reported instead.
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                trainer = Trainer(size, world_size, device, name)
+                trainer = Trainer(size, world_size, device, name, main_params_dtype(device))
                 stock = _StockTrainer(size, device, name) if world_size == 1 else None
         except Exception as error:  # reported by name, not timed (the module docstring)
             figures[name] = {"error": _error(error)}

@@ -145,9 +145,23 @@ def gpt_batch(size: GPTSize, device: str) -> dict[str, torch.Tensor]:
 
 class Trainer:
     """A wrapped GPTModel, its batch, and one optimizer kind on it (``optimizer_config``'s kinds:
-    ``"adamw"`` through megatron-core, the others through ``build_muon_optimizer``)."""
+    ``"adamw"`` through megatron-core, the others through ``build_muon_optimizer``).
 
-    def __init__(self, size: GPTSize, world_size: int, device: str, kind: str) -> None:
+    ``main_params_dtype``: Megatron-FSDP's main-weight buffer (``DistributedDataParallelConfig.
+    megatron_fsdp_main_params_dtype``; Megatron-LM's ``--megatron-fsdp-main-params-dtype``, whose
+    ``auto`` is None): fp32, Megatron's default, keeps a copy of the weights for the optimizer and
+    installs it into the compute weights after each step; None lets the optimizer step the
+    compute weights themselves (for a model computing in fp32, the copy holds the same values).
+    """
+
+    def __init__(
+        self,
+        size: GPTSize,
+        world_size: int,
+        device: str,
+        kind: str,
+        main_params_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallelConfig,
             FullyShardedDataParallel,
@@ -162,6 +176,7 @@ class Trainer:
             data_parallel_sharding_strategy="optim_grads_params",
             use_megatron_fsdp=True,
             gradient_reduce_div_fusion=False,
+            megatron_fsdp_main_params_dtype=main_params_dtype,
         )
         self.wrapped = FullyShardedDataParallel(
             config, ddp_config, model, device=torch_device(device)
