@@ -15,7 +15,8 @@ defaults, clip 1.0, the run's NS precision):
   ``--megatron-fsdp-main-params-dtype auto``), as the stock keeps none: with the copy (Megatron's
   default fp32) each step also copies every weight into the compute weights, 14 ms of Lion's
   ~90 ms step on the bench GPT (profiled), which the stock does not do. The params after a step
-  are bitwise the same either way;
+  are bitwise the same either way (measured once: muon and lion at DP=1 and 2, soap at DP=2, 3
+  steps of the tiny GPT);
 - **stock** (DP=1 only, in the same process, stepped in turn with ours): megatron-core's
   ``get_megatron_optimizer`` with the same ``OptimizerConfig`` on the same ``GPTModel``
   unwrapped, one rank: its ``ChainedOptimizer`` of the stock class (``TensorParallelMuon``,
