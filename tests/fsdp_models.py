@@ -6,6 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# Megatron-FSDP's data-parallel sharding strategies (``--data-parallel-sharding-strategy``), in the
+# order of what they shard: nothing, optimizer state, + gradients, + params.
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 class ToyMLP(nn.Module):
     """Two linears whose shapes give uneven (and, on 3 ranks, empty) Megatron-FSDP row splits."""

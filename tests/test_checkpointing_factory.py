@@ -12,6 +12,7 @@ import torch
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.checkpoint_toys import assert_bitwise_equal, local_snapshot
+from tests.fsdp_models import STRATEGIES
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
@@ -123,9 +124,6 @@ def test_factory_moe_checkpoint_saved_at_dp2_loads_at_dp1_with_state_on_the_righ
             assert torch.equal(loaded["state"][name][key], tensor), f"{name}.{key}"
     experts = [n for n in saved["state"] if ".experts." in n]
     assert experts and all(saved["state"][n]["momentum_buffer"].abs().sum() > 0 for n in experts)
-
-
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _rollback_one(rank: int, world_size: int, strategy: str, path: str) -> tuple:

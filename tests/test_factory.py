@@ -17,13 +17,13 @@ import torch
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import assert_matches_reference, by_run, train_runs
+from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import Run
 
 # Params: within gpt_parity.FLOOR_FACTOR of the reduction-order floor measured in the same launch
 # (the MoE router's own floor is the largest: Newton-Schulz amplifies its small singular values).
 # The toy without parallel state: fp32 "highest", 2-rank reduction order of one MSE step.
 TOLERANCE = 1e-5
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # One loop flavour per strategy, so that every flavour meets a sharded and an unsharded strategy:
 # Megatron-LM's (the loop calls finish_grad_sync; grads_already_synced=True) and gradient
 # accumulation over 2 micro-batches.

@@ -30,10 +30,10 @@ import torch
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.factory_gpt_runs import PARITY_STEPS
+from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import SEQ, Run
 from tests.soap_reference import EAGER, SHAMPOO_BETA, SoapReference
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # (run, MoE GPT): every strategy on the dense GPT, and the MoE GPT (4 experts, their rows over
 # ``expt_dp``: a second ShardedSOAP) under optim_grads_params.
 RUNS = [(Run("mcore", strategy), False) for strategy in STRATEGIES]

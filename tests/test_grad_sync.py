@@ -18,12 +18,12 @@ import pytest
 
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
+from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import Run
 
 pytestmark = pytest.mark.multirank  # every test here launches ranks
 
 NUM_STEPS = 3
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _plain_loop_run(wrapper: str, overlap: bool, strategy: str) -> Run:

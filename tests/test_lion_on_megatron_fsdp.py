@@ -40,13 +40,13 @@ import torch
 
 from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
+from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import Run
 from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
 from tests.torchrun import MegatronRun, TorchrunFailure, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 NUM_ITERS = 6
 SAVE_AT = 4
 LION_FLAGS = [

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fsdp_models import STRATEGIES
 from tests.megatron_lm_logs import (
     assert_loss_falls,
     assert_resumed_bitwise,
@@ -49,7 +50,6 @@ from tests.torchrun import MegatronRun, run_megatron
 pytestmark = pytest.mark.timeout(900)
 
 METHODS = ("adamuon", "normuon", "namo")
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 NUM_ITERS, SAVE_AT = 8, 4
 # The run that saves at 4 and 8 and is resumed (one method and strategy are enough for resume).
 RESUMED = ("normuon", "optim_grads_params")

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fsdp_models import STRATEGIES
 from tests.megatron_lm_logs import (
     assert_loss_falls,
     assert_same_losses,
@@ -32,7 +33,6 @@ from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SAVE_AT = 3
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fsdp_models import STRATEGIES
 from tests.megatron_lm_logs import (
     assert_loss_falls,
     assert_resaved_bitwise,
@@ -59,7 +60,6 @@ from tests.torchrun import MegatronRun, run_megatron
 pytestmark = pytest.mark.timeout(900)
 
 NUM_ITERS, SAVE_AT = 8, 4
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SAVING = "optim_grads_params"  # the strategy whose run saves, for the resume test
 FLAGS = [
     *("--optimizer soap --lr 0.01 --soap-shampoo-beta 0.9").split(),
