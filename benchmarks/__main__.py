@@ -32,7 +32,8 @@ Writes ``DIR/results.json`` and ``DIR/results.md`` (default ``bench_out/``) and 
 On CPU each rank runs one thread; DP = 4 on 2 cores oversubscribes, so read ratios measured in one
 run, not absolute times.
 On a GPU (``--device cuda``) the run is ``benchmarks.gpu_run``'s instead: sizes that mean something
-on an 80 GB card (a 1B+ GPT at seq 4096, NS at hidden 4096-8192), one GPU, its own targets.
+on an 80 GB card (a 1B+ GPT at seq 4096, NS at hidden 4096-8192), one GPU, its own targets;
+``--section`` there names its sections (``benchmarks.gpu_config.SECTION_NAMES``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from benchmarks import (
     training_step,
 )
 from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.gpu_config import SECTION_NAMES as GPU_SECTION_NAMES
 from benchmarks.machine import LIBRARY_NOTICE, choose_ns_precision, device_name, git_commit
 from benchmarks.optimizer_step import MUON_KWARGS
 from benchmarks.section import RunContext, missing_figures
@@ -96,6 +98,7 @@ SECTIONS = (
     ns_methods.SECTION,
     ns_batching.SECTION,
 )
+CPU_SECTION_KEYS = tuple(section.key for section in SECTIONS if not section.derived)
 
 
 def required_figures(with_peers: bool, only: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -124,16 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         "--section",
         action="append",
         default=[],
-        choices=[section.key for section in SECTIONS if not section.derived],
-        help="run only this section (repeatable; e.g. --quick --section fsdp_optimizers)",
+        choices=[*CPU_SECTION_KEYS, *(k for k in GPU_SECTION_NAMES if k not in CPU_SECTION_KEYS)],
+        help="run only this section (repeatable; e.g. --quick --section fsdp_optimizers; with "
+        f"--device cuda one of {', '.join(GPU_SECTION_NAMES)})",
     )
     args = parser.parse_args(argv)
+    keys = CPU_SECTION_KEYS if args.device == "cpu" else GPU_SECTION_NAMES
+    if wrong := [key for key in args.section if key not in keys]:
+        parser.error(f"--section {', '.join(wrong)}: not a section of --device {args.device}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible")
     if args.device == "cuda":
         from benchmarks import gpu_run
 
-        return gpu_run.main(args.out, quick=args.quick)
+        return gpu_run.main(args.out, quick=args.quick, only=tuple(args.section))
     config = QUICK if args.quick else FULL
     context = RunContext(config, args.device, list(config.dp_sizes), Path(args.out), args.quick)
     context.out_dir.mkdir(parents=True, exist_ok=True)

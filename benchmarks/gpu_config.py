@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from benchmarks.models import GPTSize, TransformerShapes
 
-__all__ = ["GPU", "QUICK_CPU", "GpuBenchConfig"]
+__all__ = ["GPU", "QUICK_CPU", "SECTION_NAMES", "GpuBenchConfig"]
+
+# The sections of the GPU run (``benchmarks.gpu_run.run``), in order; ``python -m benchmarks
+# --device cuda --section NAME`` runs some of them.
+SECTION_NAMES = ("matmul", "newton_schulz", "stock", "gram", "symmetric", "training", "syrk")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,9 @@ Each section runs in its own spawned process (``run_ranks``, one NCCL rank), in 
    Muon (``build_muon_optimizer``) and AdamW (megatron-core's), each kind in its own process:
    median whole step, optimizer step, peak memory (``max_memory_allocated``) and state memory.
 7. ``syrk``: emerging-optimizers' Triton syrk NS (``--muon-use-syrk``) against the standard NS on
-   the shapes of 2, in bf16, where it runs; last and under a time bound of its own
-   (``SYRK_TIMEOUT_S``: its kernels compile and autotune on each shape's first call).
+   the shapes of 2, in bf16, where it runs; last, each shape in a launch of its own under
+   ``SYRK_SHAPE_TIMEOUT_S`` (its kernels compile and autotune on each shape's first call: 83-94 s
+   at (4096, 4096) on an H100), so that a shape that finished survives one that did not.
 8. ``prediction``: the plan tool's per-rank NS FLOPs and bytes of the same model at DP = 8-64,
    priced at the rates measured above (module ``benchmarks.gpu_targets``).
 
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import gpu_targets, ns_methods
-from benchmarks.gpu_config import GPU, QUICK_CPU, GpuBenchConfig
+from benchmarks.gpu_config import GPU, QUICK_CPU, SECTION_NAMES, GpuBenchConfig
 from benchmarks.headline import owner_step
 from benchmarks.launcher import run_ranks
 from benchmarks.machine import device_name, git_commit
@@ -54,11 +55,13 @@ from benchmarks.training_step import Trainer
 
 __all__ = ["run", "main"]
 
-# The syrk section's bound: its Triton kernels compile and autotune on each shape's first call. On
-# an H200 (2026-11-27) the section, then inside the symmetric one, had not finished after 190 s and
-# the run stopped there with no figure kept; now it runs last, bounded, and every earlier figure is
-# already saved.
-SYRK_TIMEOUT_S = 240.0
+# The syrk section's bound per shape: its Triton kernels compile and autotune on each shape's first
+# call. On an H200 (2026-11-27) the section, then inside the symmetric one, had not finished after
+# 190 s and the run stopped there with no figure kept; on an H100 the same day the first call at
+# (4096, 4096) took 83 s and again 94 s, so 240 s for the four shapes of ``GPU.ns_shapes`` kept one.
+# Each shape now runs in a launch of its own (its process start and imports count too), and
+# ``scripts/gpu_check.sh`` gives the section a slot of its own (``GPU_CHECK_ONLY=syrk``).
+SYRK_SHAPE_TIMEOUT_S = 130.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,7 +157,7 @@ def syrk_vs_standard(
     ``(rows, cols)`` fp32 matrix, timed alternately at "medium" (its only precision: it runs the
     dense iteration under "high"/"highest"): ``{"problem": None, "rows": [...]}``, or where it
     cannot run ``{"problem": why, "rows": []}``. Each shape's first call compiles (and autotunes)
-    its Triton kernels: the section runs last, under its own time bound (``SYRK_TIMEOUT_S``)."""
+    its Triton kernels: the section runs last, a launch per shape (``_syrk_section``)."""
     from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize
     from megatron_muon.newton_schulz.syrk import syrk_problem
 
@@ -246,10 +249,43 @@ def _training_section(config: GpuBenchConfig, device: str) -> dict:
     return out
 
 
-def run(device: str, config: GpuBenchConfig, log=print, on_section=None) -> dict:
-    """Every section in order; a section that raises (or outlasts its launch's time bound) is
-    recorded (``"error"``) and the rest run. ``on_section(results)`` after each section, so that a
-    run stopped from outside keeps what finished."""
+def _syrk_section(config: GpuBenchConfig, device: str, log) -> dict:
+    """Section 7, each shape of ``config.ns_shapes`` in a launch of its own bounded by
+    ``SYRK_SHAPE_TIMEOUT_S``: ``{"problem": why or None, "rows": [...]}``, a shape that failed or
+    outlasted its bound a row ``{"shape", "error"}``."""
+    out: dict = {"problem": None, "rows": []}
+    for shape in config.ns_shapes:
+        try:
+            result = run_ranks(
+                syrk_vs_standard,
+                1,
+                device,
+                [shape],
+                config.warmup,
+                config.repeats,
+                timeout=SYRK_SHAPE_TIMEOUT_S,
+            )[0]
+        except Exception as error:  # noqa: BLE001 - reported; the next shape still runs
+            out["rows"].append({"shape": list(shape), "error": f"{type(error).__name__}: {error}"})
+            log(f"[gpu bench] syrk {shape}: {type(error).__name__}: {error}")
+            continue
+        if result["problem"] is not None:
+            return result
+        out["rows"] += result["rows"]
+    return out
+
+
+def run(
+    device: str,
+    config: GpuBenchConfig,
+    log=print,
+    on_section=None,
+    only: tuple[str, ...] = (),
+) -> dict:
+    """Every section in order (``only``: those of these names, ``SECTION_NAMES``); a section that
+    raises (or outlasts its launch's time bound) is recorded (``"error"``) and the rest run.
+    ``on_section(results)`` after each section, so that a run stopped from outside keeps what
+    finished."""
     sections = {
         "matmul": lambda: run_ranks(matmul_rate, 1, device, config.matmul_size, config.repeats)[0],
         "newton_schulz": lambda: run_ranks(
@@ -263,18 +299,13 @@ def run(device: str, config: GpuBenchConfig, log=print, on_section=None) -> dict
             symmetric_vs_standard, 1, device, list(config.ns_shapes), config.warmup, config.repeats
         )[0],
         "training": lambda: _training_section(config, device),
-        "syrk": lambda: run_ranks(
-            syrk_vs_standard,
-            1,
-            device,
-            list(config.ns_shapes),
-            config.warmup,
-            config.repeats,
-            timeout=SYRK_TIMEOUT_S,
-        )[0],
+        "syrk": lambda: _syrk_section(config, device, log),
     }
+    assert tuple(sections) == SECTION_NAMES
     results: dict = {"config": asdict(config), "section_seconds": {}}
     for name, section in sections.items():
+        if only and name not in only:
+            continue
         start = time.monotonic()
         try:
             results[name] = section()
@@ -290,8 +321,9 @@ def run(device: str, config: GpuBenchConfig, log=print, on_section=None) -> dict
     return results
 
 
-def main(out_dir: str, quick: bool, device: str = "cuda") -> int:
-    """Runs the GPU benchmark; writes ``results.json`` and ``results.md`` under ``out_dir``."""
+def main(out_dir: str, quick: bool, device: str = "cuda", only: tuple[str, ...] = ()) -> int:
+    """Runs the GPU benchmark (``only``: those sections); writes ``results.json`` and
+    ``results.md`` under ``out_dir``."""
     config = QUICK_CPU if quick and device == "cpu" else GPU
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,7 +336,7 @@ def main(out_dir: str, quick: bool, device: str = "cuda") -> int:
         }
         (out / "results.json").write_text(json.dumps(partial, indent=2))
 
-    results = run(device, config, on_section=save_so_far)
+    results = run(device, config, on_section=save_so_far, only=only)
     results["meta"] = _meta(device, time.monotonic() - started)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     text = gpu_targets.format_markdown(results)

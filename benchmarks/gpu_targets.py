@@ -213,6 +213,9 @@ def format_markdown(results: dict) -> str:
         lines += ["", "| syrk vs standard NS (bf16) | standard ms | syrk ms | time ratio | "
                   "first call s |", "|---|---|---|---|---|"]  # fmt: skip
         for r in syrk["rows"]:
+            if "error" in r:
+                lines.append(f"| {tuple(r['shape'])} | | | not run: {r['error']} | |")
+                continue
             lines.append(
                 f"| {tuple(r['shape'])} | {r['standard_s'] * 1e3:.2f} | {r['syrk_s'] * 1e3:.2f} | "
                 f"{r['syrk_over_standard']:.3f} | {r['first_call_s']:.1f} |"

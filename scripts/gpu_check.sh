@@ -6,10 +6,13 @@
 #   pytest.log    `pytest -m gpu` (its summary line last)
 #   bench.log     the benchmark's progress and report
 #   results.json  the benchmark's figures and target verdicts; results.md, its tables (among them
-#                 standard vs symmetric vs Triton syrk NS, --muon-use-syrk, where syrk can run)
-# Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md); GPU_CHECK_ONLY=tests or =bench runs one
-# half (each fits a 10-minute slot). Exit status: 0 when the tests and every benchmark section ran;
-# 1 otherwise; 2 without a CUDA device.
+#                 standard vs symmetric NS)
+#   syrk/         the same for the syrk section alone (Triton syrk NS, --muon-use-syrk, against the
+#                 standard NS, where syrk can run), with syrk.log
+# Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md); GPU_CHECK_ONLY=tests, =bench or =syrk runs
+# one part (each fits a 10-minute slot; the syrk section compiles and autotunes its kernels for each
+# shape, 83-94 s a shape on an H100). Exit status: 0 when the tests and every benchmark section
+# ran; 1 otherwise; 2 without a CUDA device or with an unknown GPU_CHECK_ONLY.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
@@ -45,17 +48,33 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cat "$OUT/env.txt"
 
 ONLY=${GPU_CHECK_ONLY:-}
+case "$ONLY" in
+  ""|tests|bench|syrk) ;;
+  *) echo "gpu_check: GPU_CHECK_ONLY=$ONLY: expected tests, bench or syrk" >&2; exit 2 ;;
+esac
 status=0
-if [ "$ONLY" != bench ]; then
+if [ -z "$ONLY" ] || [ "$ONLY" = tests ]; then
   # -v: each test's name and verdict as it ends, so a run stopped at the time bound says how far
   # it got (an H200 run of 2026-11-27 stopped there with four dots and no names).
   timeout 420 "$PY" -m pytest -m gpu tests -p no:cacheprovider -v -rA --durations=0 \
     > "$OUT/pytest.log" 2>&1 || status=1
   grep -E "(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest.log"
 fi
-if [ "$ONLY" != tests ]; then
-  # results.json is rewritten after every section: what finished survives the time bound.
-  timeout 480 "$PY" -m benchmarks --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
-  grep -v -E "UserWarning|warnings.warn|SyntaxWarning|Evict LRU" "$OUT/bench.log" | tail -60
+QUIET="UserWarning|warnings.warn|SyntaxWarning|Evict LRU"
+if [ -z "$ONLY" ] || [ "$ONLY" = bench ]; then
+  # Every section but syrk; results.json is rewritten after every section: what finished survives
+  # the time bound.
+  SECTIONS=$("$PY" -c "from benchmarks.gpu_config import SECTION_NAMES as s
+print(' '.join('--section ' + n for n in s if n != 'syrk'))")
+  # shellcheck disable=SC2086  # one word per flag and name
+  timeout 480 "$PY" -m benchmarks --device cuda --out "$OUT" $SECTIONS > "$OUT/bench.log" 2>&1 \
+    || status=1
+  grep -v -E "$QUIET" "$OUT/bench.log" | tail -60
+fi
+if [ -z "$ONLY" ] || [ "$ONLY" = syrk ]; then
+  # A launch per shape, each bounded (benchmarks.gpu_run.SYRK_SHAPE_TIMEOUT_S).
+  timeout 560 "$PY" -m benchmarks --device cuda --section syrk --out "$OUT/syrk" \
+    > "$OUT/syrk.log" 2>&1 || status=1
+  grep -v -E "$QUIET" "$OUT/syrk.log" | tail -30
 fi
 exit $status

@@ -51,3 +51,23 @@ def test_gpu_targets_are_judged_and_the_prediction_covers_dp_8_to_64(quick_resul
     flops = [row["ns_flops_max"] for row in rows]
     assert flops == sorted(flops, reverse=True) and flops[-1] < flops[0]
     assert "| target | bound | measured | met |" in gpu_targets.format_markdown(quick_results)
+
+
+@pytest.mark.multirank
+def test_a_gpu_run_of_named_sections_runs_only_those():
+    # scripts/gpu_check.sh gives the syrk section a slot of its own: --section syrk.
+    results = gpu_run.run("cpu", QUICK_CPU, log=lambda _: None, only=("syrk",))
+    assert list(results["section_seconds"]) == ["syrk"]
+    assert results["syrk"]["rows"] == [] and results["syrk"]["problem"]
+
+
+@pytest.mark.parametrize(
+    ("device", "section"), [("cuda", "headline"), ("cpu", "syrk"), ("cpu", "training")]
+)
+def test_a_section_of_the_other_device_is_refused_by_name(device, section, capsys):
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--device", device, "--section", section])
+    assert stopped.value.code == 2
+    assert f"--section {section}: not a section of --device {device}" in capsys.readouterr().err
