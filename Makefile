@@ -51,7 +51,7 @@ demo: venv
 	$(PY) -m megatron_muon.demo
 
 # Every section, the peers, ideal-ratio and overlap ones included (docs/benchmarks.md). On 2 CPU
-# cores ~27 min (10 on an Intel host with AMX), ~44 where bf16 is emulated and NS runs in fp32 (benchmarks/__main__.py's
+# cores ~36 min, ~55 where bf16 is emulated and NS runs in fp32 (benchmarks/__main__.py's
 # STATED_MINUTES, which the run's progress lines state). `python -m benchmarks` without --peers
 # leaves those three out.
 bench: venv bench-peers-deps

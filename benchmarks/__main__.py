@@ -76,9 +76,10 @@ __all__ = ["SECTIONS", "format_markdown", "format_report", "main", "required_fig
 # each measured with nothing else running: bf16 NS about 11 minutes on an Intel Xeon with AMX and
 # 23 min 18 s on an AMD EPYC with avx512_bf16 (2026-11-27, the peers section 852 s of it); fp32
 # NS, where bf16 is emulated, 35 minutes (2-core AMD EPYC, 2026-11-26). Since then the
-# fsdp_optimizers section: 253 s alone on the 2-core AMD EPYC with bf16 NS under a load average of
-# 13-25 (2026-11-27), so about 2 minutes on a quiet machine, twice that with fp32 NS.
-STATED_MINUTES = {"medium": 27, "highest": 44}
+# fsdp_optimizers section, which took 670 s of a whole `make bench` of 2146 s on that AMD EPYC
+# (2026-11-27, nothing else running; SOAP's steps most of it). fp32 NS: 44 minutes before that
+# section, estimated 55 with it (not measured).
+STATED_MINUTES = {"medium": 36, "highest": 55}
 
 # In the order they run and are shown; a section may read the figures of those before it.
 SECTIONS = (
