@@ -7,8 +7,8 @@
 #   bench.log     the benchmark's progress and report
 #   results.json  the benchmark's figures and target verdicts; results.md, its tables (among them
 #                 standard vs symmetric NS)
-#   syrk/         the same for the syrk section alone (Triton syrk NS, --muon-use-syrk, against the
-#                 standard NS, where syrk can run), with syrk.log
+#   syrk.log      the syrk section's progress and report; syrk/, its results.json and results.md
+#                 (Triton syrk NS, --muon-use-syrk, against the standard NS, where syrk can run)
 # Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md); GPU_CHECK_ONLY=tests, =bench or =syrk runs
 # one part (each fits a 10-minute slot; the syrk section compiles and autotunes its kernels for each
 # shape, 83-94 s a shape on an H100). Exit status: 0 when the tests and every benchmark section
@@ -19,6 +19,12 @@ OUT=${1:?usage: bash scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+
+ONLY=${GPU_CHECK_ONLY:-}
+case "$ONLY" in
+  ""|tests|bench|syrk) ;;
+  *) echo "gpu_check: GPU_CHECK_ONLY=$ONLY: expected tests, bench or syrk" >&2; exit 2 ;;
+esac
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False):" \
@@ -47,11 +53,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-ONLY=${GPU_CHECK_ONLY:-}
-case "$ONLY" in
-  ""|tests|bench|syrk) ;;
-  *) echo "gpu_check: GPU_CHECK_ONLY=$ONLY: expected tests, bench or syrk" >&2; exit 2 ;;
-esac
 status=0
 if [ -z "$ONLY" ] || [ "$ONLY" = tests ]; then
   # -v: each test's name and verdict as it ends, so a run stopped at the time bound says how far
