@@ -224,9 +224,7 @@ def format_headline(section: dict) -> list[str]:
             f"{_range(ratio['values'], 3)} | {values} | {'yes' if ratio['holds'] else 'no'} |"
         )
     reps = section["repetitions"]
-    rates = [r["matmul_flops_per_s"] / 1e12 for r in reps]
-    ideal = [r["ideal_s"] for r in reps]
-    lines += ["", *_ideal_lines(section, reps, rates, ideal), ""]
+    lines += ["", *_ideal_lines(section), ""]
     parts = ("newton_schulz", "collectives", "copies", "other", "total")
     rows = []
     for label, key in (("DP=2", "dp2_split"), ("DP=1", "dp1_split")):
@@ -247,8 +245,11 @@ def format_headline(section: dict) -> list[str]:
     return lines
 
 
-def _ideal_lines(section: dict, reps: list[dict], rates: list[float], ideal: list[float]):
+def _ideal_lines(section: dict) -> list[str]:
     """How the ideal DP=2 step was priced, and the ratio at the large-matmul rate beside it."""
+    reps = section["repetitions"]
+    rates = [r["matmul_flops_per_s"] / 1e12 for r in reps]
+    ideal = [r["ideal_s"] for r in reps]
     dtype = reps[0].get("matmul_dtype", "bfloat16")
     flops = reps[0]["ns_flops_per_rank_max"] / 1e9
     if "ns_alone_flops_per_s" not in reps[0]:  # a run of before the NS-alone ideal
