@@ -56,7 +56,7 @@ def bucket_section(
     repeats: int,
 ) -> dict:
     """Each bucket size's figures at DP=2 (slowest rank's time, largest memory over ranks)."""
-    from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
+    from megatron_muon.engine.config import DEFAULT_BUCKET_SIZE_BYTES
 
     per_rank = run_ranks(bucket_sweep, 2, device, shapes, list(bucket_sizes), warmup, repeats)
     whole = max(r["None"]["seconds"] for r in per_rank)

@@ -86,7 +86,7 @@ def state_bytes(optimizer: Any) -> int:
     local part of a DTensor: the rows this rank holds)."""
     from torch.utils._pytree import tree_leaves
 
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     total = 0
     for child in getattr(optimizer, "inner", optimizer).chained_optimizers:

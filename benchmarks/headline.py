@@ -66,8 +66,8 @@ RATIOS = {
 
 def _profiler_scopes() -> dict[str, str]:
     """The optimizer's profiler scopes the time split reads: ``{part: scope name}``."""
-    from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE
-    from megatron_muon.sharded.ns_runner import NS_SCOPE
+    from megatron_muon.engine.exchange import COLLECTIVE_SCOPE
+    from megatron_muon.engine.ns_runner import NS_SCOPE
 
     return {"newton_schulz": NS_SCOPE, "collectives": COLLECTIVE_SCOPE}
 

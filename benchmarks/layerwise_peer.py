@@ -123,7 +123,7 @@ def _on_megatron_fsdp(size: GPTSize, device: str, ns_method: NSMethodT = DEFAULT
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
     from megatron_muon import build_muon_optimizer
-    from megatron_muon.sharded.config import MuonFsdpConfig
+    from megatron_muon.engine.config import MuonFsdpConfig
 
     config, model = build_gpt(size, device, bf16=True)
     ddp_config = DistributedDataParallelConfig(
@@ -200,7 +200,7 @@ def _ddp_main_weights(wrapped, optimizer) -> dict[str, torch.Tensor]:
 def _fsdp_main_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rank 0: the full fp32 main weights from every rank's Megatron-FSDP row shard (uneven shards:
     each located by ``megatron_fsdp_slice``)."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     mine = {}
     for name, param in weights.items():

@@ -47,12 +47,12 @@ def _best(fn, repeats: int) -> float:
 def batching_rows(shapes=SHAPES, repeats: int = 3) -> list[dict]:
     """Best seconds of the batched and one-by-one NS of each ``(rows, cols, batch)``."""
     from benchmarks.optimizer_step import MUON_KWARGS
+    from megatron_muon.engine.ns_runner import batch_pays
     from megatron_muon.newton_schulz.methods import (
         NSConfig,
         orthogonalize_batch,
         scaled_orthogonalize,
     )
-    from megatron_muon.sharded.ns_runner import batch_pays
 
     torch.set_num_threads(1)
     config = NSConfig(num_ns_steps=5, coefficient_type="quintic", scale_mode="spectral")

@@ -1,7 +1,7 @@
 """Overlap of the owner exchange with Newton-Schulz: ``overlap_buckets`` on vs off.
 
 ``MuonFsdpConfig(overlap_buckets=True)`` sends bucket k+1's rows to their owners while bucket k runs
-NS (``megatron_muon.sharded.owner_pipeline``), holding two buckets' full matrices instead of one.
+NS (``megatron_muon.engine.owner_pipeline``), holding two buckets' full matrices instead of one.
 This
 section steps both pipelines on the same Megatron-FSDP row shards of the dense model, in turn, at
 each DP size of the run, with the run's bucket size, and reports median step time, transient
@@ -60,7 +60,7 @@ def overlap_section(
     repeats: int,
 ) -> dict:
     """Both pipelines at each DP size >= 2 (slowest rank's time, largest memory over ranks)."""
-    from megatron_muon.sharded.config import MuonFsdpConfig
+    from megatron_muon.engine.config import MuonFsdpConfig
 
     by_dp = {}
     for dp in [dp for dp in dp_sizes if dp >= 2]:

@@ -18,11 +18,14 @@ import sys
 from pathlib import Path
 
 PACKAGE = "megatron_muon"
-# Lowest first: common <- newton_schulz <- sharded <- checkpointing <- fsdp <- integrations <- cli.
-_CORE = ["common", "newton_schulz", "sharded", "checkpointing", "fsdp"]
+# Lowest first: common <- newton_schulz <- engine <- optimizers <- checkpointing <- fsdp <-
+# integrations <- cli.
+_CORE = ["common", "newton_schulz", "engine", "optimizers", "checkpointing", "fsdp"]
 ALLOWED: dict[str, set[str]] = {layer: set(_CORE[:index]) for index, layer in enumerate(_CORE)} | {
     "cpu_stand_ins": {"common"},
-    "plan": {"common", "newton_schulz", "sharded"},
+    "plan": {"common", "newton_schulz", "engine"},
+    # The deprecated module paths of 0.1 (megatron_muon.sharded.*), aliased by name at import time.
+    "sharded": set(),
     "integrations": {*_CORE, "cpu_stand_ins"},
     "cli": {*_CORE, "cpu_stand_ins", "integrations"},
     "testing": {"common", "cpu_stand_ins"},
@@ -31,7 +34,7 @@ ENTRY_POINTS = {"__init__", "pretrain", "demo"}
 
 
 def subpackage(module: str) -> str:
-    """``megatron_muon.sharded.layout`` -> ``sharded``; a top-level module -> its own name."""
+    """``megatron_muon.engine.layout`` -> ``engine``; a top-level module -> its own name."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

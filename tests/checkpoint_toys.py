@@ -107,7 +107,7 @@ def build(
             0, ShardedMuon.from_keywords(experts, dp_group=expert_group, **MUON_KWARGS)
         )
     if matrices and adaptive is not None:
-        from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+        from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
         config = AdaptiveMuonConfig(moment2_method=adaptive)  # type: ignore[arg-type]
         matrix_optimizer = ShardedAdaptiveMuon.from_keywords(
@@ -146,7 +146,7 @@ def train(
 def local_snapshot(wrapped, optimizers) -> dict:
     """This rank's params and optimizer state by name (local shards), and the group lrs."""
     from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     named = named_optimizer_params(wrapped)
     state = {}
@@ -168,7 +168,7 @@ def full_snapshot(wrapped, optimizers) -> dict:
     from torch.distributed.tensor import DTensor
 
     from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
+    from megatron_muon.engine.layout import gather_row_layouts, local_tensor
 
     named = named_optimizer_params(wrapped)
     layouts = gather_row_layouts([p for _, p in named], None)
@@ -200,7 +200,7 @@ def _dtype(strategy: str) -> torch.dtype:
 
 def train_save_train(rank, world_size, strategy, path, k, n) -> dict:
     from megatron_muon.checkpointing import named_optimizer_params, save_checkpoint
-    from megatron_muon.sharded.layout import gather_row_layouts
+    from megatron_muon.engine.layout import gather_row_layouts
 
     wrapped, optimizers, scheduler = build(world_size, strategy)
     train(

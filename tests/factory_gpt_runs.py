@@ -47,7 +47,7 @@ def _step(wrapped, optimizer, step: int, rank: int, world_size: int) -> None:
 
 def _rows(named: dict) -> dict[str, tuple[int, torch.Tensor]]:
     """name -> (first row, this rank's rows) of every optimizer param."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     out = {}
     for name, param in named.items():

@@ -430,7 +430,7 @@ def deviations(
     (a key bias shifts every score of a query equally; softmax ignores it), ~1e-12 with either
     sign in fp32, which AdamW's m / (sqrt(v) + eps) turns into noise.
     """
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     reference = {n: p.detach() for n, p in reference_model.named_parameters()}
     out = {}

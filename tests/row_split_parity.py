@@ -64,7 +64,7 @@ def set_sharded_grad(
 
 def relative_errors(params, optimizer, reference_params, reference, row_starts) -> dict:
     """Max over params of ||mine - reference rows|| / ||reference full||, params and momentum."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     worst = {"param": 0.0, "momentum": 0.0}
     for p, ref, start in zip(params, reference_params, row_starts, strict=True):
@@ -86,7 +86,7 @@ def row_float64_distances(
 ) -> dict[str, Float64Distances]:
     """Per param: this rank's rows of ours and of the fp32 reference, from the same rows of the
     float64 run, relative to the whole float64 matrix."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     distances = {}
     for i, (p, ref, truth, start) in enumerate(

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_muon.engine.bucket_cuts import bucket_by_bytes
+from megatron_muon.engine.bucket_schedule import BucketJob, critical_path
+from megatron_muon.engine.layout import RowLayout
+from megatron_muon.engine.step_plan import NSMatrix, bucket_job, plan_step
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.bucket_cuts import bucket_by_bytes
-from megatron_muon.sharded.bucket_schedule import BucketJob, critical_path
-from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.step_plan import NSMatrix, bucket_job, plan_step
 from megatron_muon.testing import run_on_ranks
 from tests.muon_reference import MUON_KWARGS, full_tensor
 from tests.row_split_parity import set_sharded_grad, sharded_param, splits_for_rows
@@ -74,7 +74,7 @@ def _ns_log(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon import ShardedMuon
-    from megatron_muon.sharded.ns_runner import NS_SCOPE
+    from megatron_muon.engine.ns_runner import NS_SCOPE
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}

@@ -323,7 +323,7 @@ def _toy_without_parallel_state(rank: int, world_size: int) -> dict:
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from megatron_muon import build_muon_optimizer
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
     from tests.fsdp_models import ToyMLP, fully_shard_toy
 
     assert not parallel_state.model_parallel_is_initialized()

@@ -139,8 +139,8 @@ def test_megatron_cores_own_build_of_these_names_fails() -> None:
 
 
 def test_what_cannot_run_exactly_on_row_shards_is_refused_naming_it() -> None:
-    from megatron_muon.sharded.config import MuonFsdpConfig
-    from megatron_muon.sharded.orthogonalized_adapters import SHARDED_ORTHOGONALIZED as BY_NAME
+    from megatron_muon.engine.config import MuonFsdpConfig
+    from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED as BY_NAME
 
     matrix = [torch.nn.Parameter(torch.ones(4, 4))]
     with pytest.raises(ValueError, match="not a matrix; PolarGrad takes 2-D params only"):

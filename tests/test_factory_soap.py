@@ -43,7 +43,7 @@ RUNS.append((Run("mcore", "optim_grads_params"), True))
 def _rows(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:
     """name -> (first row, this rank's rows) of every optimizer param's ``attribute`` (``data``
     or ``grad``; a rank holding no rows has ``grad is None``)."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     out = {}
     for name, param in named.items():

@@ -18,7 +18,7 @@ MoE GPT: 4 experts, all-to-all dispatcher, RoPE):
 
 adaptive_muon runs ``adamuon`` (elementwise: its state is the same at TP = 1, so it reloads there)
 and ``normuon`` (``stock`` and ``ours`` only: megatron-core computes its second moment, state and
-scale per TP partition, a state that has no TP = 1 meaning; ``sharded/moment2_partitions.py``).
+scale per TP partition, a state that has no TP = 1 meaning; ``optimizers/moment2_partitions.py``).
 normuon's saved state holds every TP partition's, stacked along dim 0, each filled. namo and every
 method under each tp_mode are checked against the stock class at TP = 2 x DP = 2 on row shards
 (``tests/test_sharded_adaptive_muon_tensor_parallel.py``). Lion is elementwise: it runs on the

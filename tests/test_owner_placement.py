@@ -10,12 +10,12 @@ import random
 import numpy as np
 import pytest
 
+from megatron_muon.engine.bucket_cuts import bucket_by_owner_rounds
+from megatron_muon.engine.layout import RowLayout
+from megatron_muon.engine.planner import OwnerPlan, place_near_rows, plan_owners
+from megatron_muon.engine.step_plan import exchanged_elements
 from megatron_muon.newton_schulz.methods import ns_flops
 from megatron_muon.plan.fsdp_layout import bucket_rows
-from megatron_muon.sharded.bucket_cuts import bucket_by_owner_rounds
-from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.planner import OwnerPlan, place_near_rows, plan_owners
-from megatron_muon.sharded.step_plan import exchanged_elements
 
 MIB = 2**20
 # One layer of the bench GPT (hidden 512, MLP 2048), in param order: QKV, proj, fc1, fc2.

@@ -15,6 +15,9 @@ import torch.distributed as dist
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_muon.engine.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
+from megatron_muon.engine.config import DEFAULT_BUCKET_SIZE_BYTES
+from megatron_muon.engine.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.newton_schulz.cost_model import (
     long_dim,
     split_bounds,
@@ -35,9 +38,6 @@ from megatron_muon.plan.models import (
 )
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
-from megatron_muon.sharded.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
-from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
-from megatron_muon.sharded.planner import OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.testing import RankFailure, run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -557,8 +557,8 @@ def test_grid_rows_give_each_dp_x_tp_rank_its_share_of_the_whole_matrix():
 def test_row_parallel_split_blocks_are_the_column_blocks_of_the_unsplit_matrix(
     partitions, num_parts
 ):
+    from megatron_muon.engine.tp_grid import join_partitions, row_parallel_split_blocks
     from megatron_muon.newton_schulz.cost_model import split_bounds
-    from megatron_muon.sharded.tp_grid import join_partitions, row_parallel_split_blocks
 
     rows, cols = 3, 8
     unsplit = torch.arange(rows * partitions * cols).reshape(rows, partitions * cols)
@@ -574,10 +574,10 @@ def test_row_parallel_split_blocks_are_the_column_blocks_of_the_unsplit_matrix(
 
 
 def test_a_row_parallel_split_that_would_cut_a_partition_unevenly_is_not_taken():
+    from megatron_muon.engine.layout import RowLayout
+    from megatron_muon.engine.step_plan import NSMatrix, plan_step
+    from megatron_muon.engine.tp_grid import row_parallel_split_blocks
     from megatron_muon.newton_schulz.methods import NSConfig
-    from megatron_muon.sharded.layout import RowLayout
-    from megatron_muon.sharded.step_plan import NSMatrix, plan_step
-    from megatron_muon.sharded.tp_grid import row_parallel_split_blocks
 
     assert row_parallel_split_blocks(3, 6, 2, 4) is not None  # 12 columns in 4 blocks of 3
     assert row_parallel_split_blocks(3, 5, 3, 2) is None  # 15 columns: a block across 2.5

@@ -63,7 +63,7 @@ def _reference(method: str, fulls: list[torch.Tensor]):
 
 
 def _sharded(params, method: str, mode: str, **extra):
-    from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
     config = AdaptiveMuonConfig(moment2_method=method, beta2=BETA2, eps=EPS)
     kwargs = {"tp_mode": "blockwise", **KWARGS, **extra}
@@ -75,7 +75,7 @@ def _errors(params, optimizer, reference_params, reference, starts) -> dict[str,
     whole replicated moment2 (normuon, namo)."""
     from torch.distributed.tensor import DTensor
 
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     worst: dict[str, float] = {}
     for p, ref, start in zip(params, reference_params, starts, strict=True):
@@ -168,8 +168,8 @@ def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> Non
 
 
 def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
-    from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
-    from megatron_muon.sharded.config import MuonFsdpConfig
+    from megatron_muon.engine.config import MuonFsdpConfig
+    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
     matrix = [torch.nn.Parameter(torch.zeros(4, 4))]
     with pytest.raises(ValueError, match="min_split_flops=0 does not apply"):

@@ -2,7 +2,7 @@
 
 megatron-core's ``TensorParallelAdaptiveMuon`` (``integrations.adaptive_muon_fix``) steps each TP
 rank's partition as a matrix of its own: the second moment (adamuon, normuon, namo), its state and
-Muon's scale are the partition's (``sharded/moment2_partitions.py``). The reference runs on each
+Muon's scale are the partition's (``optimizers/moment2_partitions.py``). The reference runs on each
 rank: the stock class on the TP-local, DP-full matrices, over the TP group, the tp_mode matching
 ours (layer_sharded: duplicated). Ours: the same matrices as Megatron-FSDP's DTensors, mesh
 ``(dp_cp, tp)``, placements ``(Shard(0), Shard(partition_dim))`` (a TP-duplicated one:
@@ -56,10 +56,10 @@ STEPS = 2
 def _case(pgc, mesh, method: str, tp_mode: str, mode: str, path: str) -> dict:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from megatron_muon.engine.layout import local_tensor
+    from megatron_muon.engine.tensor_parallel import stock_tp_mode
     from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
-    from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
-    from megatron_muon.sharded.layout import local_tensor
-    from megatron_muon.sharded.tensor_parallel import stock_tp_mode
+    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
 
     tp_rank, dp_rank = pgc.tp.rank(), pgc.dp_cp.rank()
 

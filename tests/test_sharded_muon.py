@@ -194,7 +194,7 @@ def _run_real_fsdp_layout(rank: int, world_size: int, strategy: str, mode: str) 
     from torch.distributed.tensor import DTensor
 
     from megatron_muon import ShardedMuon
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
     from tests.fsdp_models import ToyMLP, fully_shard_toy
 
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def _run_offload(rank: int, world_size: int, offload: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_muon import ShardedMuon
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     splits = _splits_for(world_size, "empty")

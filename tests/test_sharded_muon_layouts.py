@@ -297,7 +297,7 @@ def _run_real_hsdp(rank: int, world_size: int, outer: str) -> dict:
     named = [(n, p) for n, p in wrapped.named_parameters() if p.ndim == 2]
     params = [p for _, p in named]
     # Row offsets from megatron_fsdp's own chunk metadata: independent of
-    # megatron_muon.sharded.layout.
+    # megatron_muon.engine.layout.
     starts = [gather_and_compute_chunk_metadata(p).offsets[0] for p in params]
     reference_params = [
         torch.nn.Parameter(fulls[n.removeprefix("module.")].clone()) for n, _ in named

@@ -3,7 +3,7 @@ matrices.
 
 polargrad, scion, mop, spel, muon_hyperball (with and without ``hyperball_radius``) and
 sinkhorn_muon: each rank steps a row-sharded copy (uneven and empty shards; a rank with no rows has
-``grad is None``) through its adapter (``sharded.orthogonalized_adapters``) and the
+``grad is None``) through its adapter (``optimizers.orthogonalized_adapters``) and the
 emerging-optimizers class on the full params side by side, two steps with fresh grads, owner mode
 (and gather mode at DP 2; MuonHyperball and SinkhornMuon also on params replicated over the group,
 where sums must count each row once), fp32 with highest matmul precision on both sides. One launch
@@ -78,7 +78,7 @@ def _step_both(params, optimizer, reference_params, reference, splits, rank) -> 
 
 def _errors(params, optimizer, reference_params, reference, starts) -> dict[str, float]:
     """Worst relative error of this rank's rows of the params and momenta."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     worst = {"param": 0.0, "momentum": 0.0}
     for p, ref, start in zip(params, reference_params, starts, strict=True):
@@ -104,8 +104,8 @@ def _case(
     group, as under ``no_shard``): sums over the group count each row once."""
     from emerging_optimizers import registry
 
-    from megatron_muon.sharded.adaptive_muon import MuonFsdpConfig
-    from megatron_muon.sharded.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
+    from megatron_muon.optimizers.adaptive_muon import MuonFsdpConfig
+    from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
 
     name, keywords = CASES[case]
     fulls = _initial(name)
@@ -145,7 +145,7 @@ def _tensor_parallel_refusal() -> str:
 
     import torch.distributed as dist
 
-    from megatron_muon.sharded.orthogonalized_adapters import ShardedScion
+    from megatron_muon.optimizers.orthogonalized_adapters import ShardedScion
 
     tp = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
     try:

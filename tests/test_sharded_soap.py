@@ -41,7 +41,7 @@ def _grads(step: int) -> list[torch.Tensor]:
 
 def _differences(params, optimizer, reference_params, reference, starts) -> list[str]:
     """What differs from the reference: this rank's param rows, and each state tensor it owns."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     found = []
     for i, (p, ref, start) in enumerate(zip(params, reference_params, starts, strict=True)):
@@ -65,7 +65,7 @@ def _run(rank: int, world_size: int) -> dict:
 def _run_eager(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from megatron_muon.sharded.sharded_soap import ShardedSOAP
+    from megatron_muon.optimizers.soap import ShardedSOAP
 
     mesh = init_device_mesh("cpu", (world_size,))
     starts = [offsets(rows)[rank] for rows in SPLITS_3]
@@ -96,7 +96,7 @@ def _run_eager(rank: int, world_size: int) -> dict:
 
 
 def test_one_rank_without_torch_distributed_is_bitwise_soap() -> None:
-    from megatron_muon.sharded.sharded_soap import ShardedSOAP
+    from megatron_muon.optimizers.soap import ShardedSOAP
 
     fulls = [full_tensor(shape, seed=i) for i, shape in enumerate(SHAPES)]
     for use_kl_shampoo in (True, False):
@@ -125,7 +125,7 @@ def test_uneven_and_empty_row_shards_are_bitwise_soap_on_full_matrices() -> None
 
 
 def test_owner_plan_balances_state_bytes_and_is_a_function_of_shapes() -> None:
-    from megatron_muon.sharded.soap_plan import plan_soap_owners
+    from megatron_muon.optimizers.soap_plan import plan_soap_owners
 
     # The CPU bench's dense GPT (benchmarks/config.py): 8 layers, hidden 512, MLP 2048.
     hidden, ffn = 512, 2048
@@ -137,8 +137,8 @@ def test_owner_plan_balances_state_bytes_and_is_a_function_of_shapes() -> None:
 
 
 def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
-    from megatron_muon.sharded.sharded_soap import ShardedSOAP
-    from megatron_muon.sharded.soap_matrix import SoapConfig
+    from megatron_muon.optimizers.soap import ShardedSOAP
+    from megatron_muon.optimizers.soap_matrix import SoapConfig
 
     matrix = [torch.nn.Parameter(torch.zeros(4, 4))]
     with pytest.raises(ValueError, match="weight_decay_method='l2'"):

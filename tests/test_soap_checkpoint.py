@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multirank
 
 def _build(world_size: int, strategy: str, seed: int = 0):
     from megatron_muon.checkpointing import ensure_optimizer_state, named_optimizer_params
-    from megatron_muon.sharded.sharded_soap import ShardedSOAP
+    from megatron_muon.optimizers.soap import ShardedSOAP
     from tests.fsdp_models import ToyMLP, fully_shard_toy
 
     torch.manual_seed(seed)
@@ -42,7 +42,7 @@ def _build(world_size: int, strategy: str, seed: int = 0):
 def _soap_state(wrapped, soap) -> dict[str, dict]:
     """name -> {key: whole tensor (from the rank holding it) or step} of every SOAP param."""
     from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     out = {}
     for name, param in named_optimizer_params(wrapped):

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multirank  # every test here launches ranks
 
 def _state_signature(optimizer) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
     """(optimizer class, state keys, local shape of the first state tensor) per param, in order."""
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     signature = []
     for sub in optimizer.chained_optimizers:
@@ -43,7 +43,7 @@ def _wrapper_contract(rank: int, world_size: int) -> dict:
         megatron_fsdp_classes,
         unwrap_megatron_fsdp,
     )
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     gpt_parity.init_megatron()
     run = Run("mcore", "optim_grads_params")
@@ -192,7 +192,7 @@ def _bf16_steps(rank: int, world_size: int) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
     from megatron_muon import build_muon_optimizer
-    from megatron_muon.sharded.layout import local_tensor
+    from megatron_muon.engine.layout import local_tensor
 
     gpt_parity.init_megatron()
     model = gpt_parity.build_gpt()

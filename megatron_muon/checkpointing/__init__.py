@@ -1,5 +1,5 @@
 """Distributed checkpoints of model + optimizer under Megatron-FSDP (torch.distributed.checkpoint).
-May import ``sharded``, ``newton_schulz`` and ``common``.
+May import ``optimizers``, ``engine``, ``newton_schulz`` and ``common``.
 
 Two functions for custom trainers::
 

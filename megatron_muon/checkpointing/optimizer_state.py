@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.checkpointing.ranks import collective_device
-from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.soap_matrix import STATE_KEYS
+from megatron_muon.optimizers.muon import ShardedMuon
+from megatron_muon.optimizers.soap_matrix import STATE_KEYS
 
 __all__ = [
     "create_state",

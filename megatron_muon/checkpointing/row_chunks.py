@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_muon.checkpointing.ranks import collective_device
-from megatron_muon.sharded.layout import fsdp_row_offset
-from megatron_muon.sharded.soap_state import is_owner_held
+from megatron_muon.engine.layout import fsdp_row_offset
+from megatron_muon.engine.owner_state import is_owner_held
 
 __all__ = ["attach_row_chunks"]
 
@@ -102,7 +102,7 @@ def attach_row_chunks(
     Collective over the default process group. ``params``: (name, param) in the same order on
     every rank; ``optimizer_state``: name -> state dict (the tensors DCP saves or loads in place).
     A param and its state tensors (same local shape and placements) share one chunk; owner-held
-    state (``sharded.soap_state``) has its own: the whole tensor on its owner, nothing elsewhere.
+    state (``engine.owner_state``) has its own: the whole tensor on its owner, nothing elsewhere.
     Chunks come from ``megatron_fsdp_slice`` without communication; params where some rank cannot
     tell (one ``all_reduce`` of flags decides, so every rank agrees) go through megatron_fsdp's
     ``gather_and_compute_chunk_metadata`` (one ``all_gather_object`` each, in name order).

@@ -1,7 +1,7 @@
 """The allowed values of megatron-muon's string options, each defined once as a ``Literal`` alias.
 
-The config dataclasses that hold an option (``sharded.config.MuonConfig``,
-``sharded.config.MuonFsdpConfig``, ``newton_schulz.methods.NSConfig``) check it with
+The config dataclasses that hold an option (``engine.config.MuonConfig``,
+``engine.config.MuonFsdpConfig``, ``newton_schulz.methods.NSConfig``) check it with
 ``check_choice`` against its alias, and the command-line flags (``fsdp.arguments``) take
 ``typing.get_args`` of the config field's alias as their choices (as megatron-core does for its own
 ``Literal`` options). The NS methods (``NSMethodT``) are defined with their registry in
@@ -29,7 +29,7 @@ __all__ = [
 FsdpModeT = Literal["owner", "gather"]
 # How a tensor-parallel matrix is orthogonalized (``--muon-tp-mode``): TensorParallelMuon's three
 # modes, and "layer_sharded" (megatron-muon's; Megatron-LM's name from its open PR): each unsplit
-# matrix orthogonalized once over the whole DP x TP grid (``sharded.tp_grid``), never given to
+# matrix orthogonalized once over the whole DP x TP grid (``engine.tp_grid``), never given to
 # TensorParallelMuon.
 TpModeT = Literal["blockwise", "duplicated", "distributed", "layer_sharded"]
 # Muon's update scale (``--muon-scale-mode``; emerging-optimizers' ``get_muon_scale_factor``).
@@ -47,7 +47,7 @@ MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap"]
 # The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
 # megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
-# trainer (``sharded.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.
+# trainer (``optimizers.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.
 OrthogonalizedOptimizerT = Literal[
     "polargrad", "scion", "mop", "spel", "muon_hyperball", "sinkhorn_muon"
 ]

@@ -1,3 +1,3 @@
 """Muon for Megatron-FSDP models: the factory, routing, process groups, the step wrapper and grad
-sync, the chained optimizer, QK-clip, our flags. May import ``checkpointing``, ``sharded``,
-``newton_schulz`` and ``common``."""
+sync, the chained optimizer, QK-clip, our flags. May import ``checkpointing``, ``optimizers``,
+``engine``, ``newton_schulz`` and ``common``."""

@@ -44,12 +44,12 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
+from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
-from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.soap_matrix import SoapConfig
+from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig
+from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [
     "add_muon_args",

@@ -20,7 +20,7 @@ from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_group
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 from megatron_muon.checkpointing.optimizer_state import create_state, creates_state
-from megatron_muon.sharded.layout import local_tensor
+from megatron_muon.engine.layout import local_tensor
 
 __all__ = ["megatron_core_optimizer"]
 

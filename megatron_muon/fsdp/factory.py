@@ -48,6 +48,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
 from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
+from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.engine.tensor_parallel import check_param_meshes
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
 from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
@@ -66,13 +68,11 @@ from megatron_muon.fsdp.routing import (
     route_params,
 )
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
-from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
-from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.orthogonalized import ShardedOrthogonalized
-from megatron_muon.sharded.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
-from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.sharded_soap import ShardedSOAP
-from megatron_muon.sharded.tensor_parallel import check_param_meshes
+from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+from megatron_muon.optimizers.muon import ShardedMuon
+from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
+from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
+from megatron_muon.optimizers.soap import ShardedSOAP
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 

@@ -21,7 +21,7 @@ such layers, and MLA with DSA or ``cache_mla_latents``.
 Sharding. Under tensor parallelism each TP rank holds whole heads (whole query groups) and their
 rows, so the scales are TP-local; only the reported clipped-head count and max logit are
 reduced over the TP group (``tp_group``). Under Megatron-FSDP each data-parallel rank holds a
-contiguous row range ``[start, stop)`` of each matrix (``megatron_muon.sharded.layout``) and scales
+contiguous row range ``[start, stop)`` of each matrix (``megatron_muon.engine.layout``) and scales
 only
 its own rows with the matching slice of the per-row scales. The max logits are all-reduced (MAX)
 over the data-parallel group first, since its ranks saw different tokens and must agree on ``eta``.
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_muon.engine.layout import gather_row_layouts, local_tensor
 from megatron_muon.fsdp.process_groups import row_group
 from megatron_muon.fsdp.qk_clip_rows import (
     DEFAULT_ALPHA,
@@ -54,7 +55,6 @@ from megatron_muon.fsdp.qk_clip_rows import (
     head_rows,
     softmax_scale,
 )
-from megatron_muon.sharded.layout import gather_row_layouts, local_tensor
 
 __all__ = [
     "QKClip",

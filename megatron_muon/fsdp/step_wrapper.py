@@ -53,13 +53,13 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_classes
+from megatron_muon.engine.layout import local_tensor
 from megatron_muon.fsdp.grad_sync import (
     check_sync_settings,
     finish_grad_sync_once,
     prepare_next_backwards,
 )
 from megatron_muon.fsdp.qk_clip import QKClip, QKClipStats
-from megatron_muon.sharded.layout import local_tensor
 
 __all__ = ["FsdpStepWrapper"]
 

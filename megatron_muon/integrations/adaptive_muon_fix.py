@@ -12,12 +12,12 @@ megatron-core 0.19.2's ``TensorParallelAdaptiveMuon`` (``--optimizer adaptive_mu
   second moment: the scale would be applied twice.
 
 ``TensorParallelAdaptiveMuonFixed`` sets ``scale_mode`` and ``extra_scale_factor`` and
-orthogonalizes without the scale (``sharded.adaptive_muon.raw_orthogonalize_fn``:
+orthogonalizes without the scale (``optimizers.adaptive_muon.raw_orthogonalize_fn``:
 ``newton_schulz_tp`` as ``TensorParallelMuon`` calls it), so a step is ``AdaptiveMuon``'s: raw
 Newton-Schulz, second moment, Muon's scale once (QKV split and tensor parallelism as
 ``TensorParallelMuon`` has them). At tensor-parallel size > 1 the second moment and the scale
 apply to the TP rank's partition (``AdaptiveMuon.step`` on the TP-local param), which
-``ShardedAdaptiveMuon`` matches for every moment2 method (``sharded.moment2_partitions``).
+``ShardedAdaptiveMuon`` matches for every moment2 method (``optimizers.moment2_partitions``).
 ``install()`` puts it in megatron-core's emerging-optimizer registry for ``"adaptive_muon"``;
 ``megatron_lm.install()`` calls it after its megatron-core version check. Without Megatron-FSDP,
 Megatron-LM's loop then trains with it; with Megatron-FSDP the factory builds
@@ -33,7 +33,7 @@ from typing import Any
 from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
 
 from megatron_muon.integrations.megatron_version import check_megatron_core_version
-from megatron_muon.sharded.adaptive_muon import raw_orthogonalize_fn
+from megatron_muon.optimizers.adaptive_muon import raw_orthogonalize_fn
 
 __all__ = ["TensorParallelAdaptiveMuonFixed", "install"]
 

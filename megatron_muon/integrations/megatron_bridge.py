@@ -56,11 +56,11 @@ import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.common.options import FsdpOptimizerT
+from megatron_muon.engine.config import MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.integrations import megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
 from megatron_muon.integrations.megatron_version import check_megatron_core_version
-from megatron_muon.sharded.config import MuonFsdpConfig
 
 __all__ = [
     "STOCK_OPTIMIZERS",

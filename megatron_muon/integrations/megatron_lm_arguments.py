@@ -27,8 +27,8 @@ from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
-from megatron_muon.sharded.adaptive_muon import AdaptiveMuonConfig
-from megatron_muon.sharded.soap_matrix import SoapConfig
+from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig
+from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [
     "escape_bare_percent_in_help",

@@ -11,11 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_muon.engine.config import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_muon.plan.models import PRESETS, default_parallelism
 from megatron_muon.plan.report import PlanReport, analyze
 from megatron_muon.plan.strategies import STRATEGIES, GroupInput
 from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures
-from megatron_muon.sharded.config import DEFAULT_BUCKET_SIZE_BYTES
 
 DP_SIZES = (8, 64, 256, 1024)
 BUCKET_BYTES = 2**30  # MuonFsdpConfig(bucket_size_bytes=1 GiB) for ours and round-robin

@@ -35,6 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_muon.engine.bucket_cuts import bucket_by_bytes
+from megatron_muon.engine.layout import RowLayout
+from megatron_muon.engine.planner import MIN_SPLIT_FLOPS, OwnerPlan
+from megatron_muon.engine.step_plan import NSMatrix, StepPlan, plan_step
 from megatron_muon.newton_schulz.cost_model import (
     pieces_flops,
     split_bounds,
@@ -43,10 +47,6 @@ from megatron_muon.newton_schulz.cost_model import (
 )
 from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSConfig, NSMethodT
 from megatron_muon.plan.models import Matrix
-from megatron_muon.sharded.bucket_cuts import bucket_by_bytes
-from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS, OwnerPlan
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
 
 __all__ = ["STRATEGIES", "GroupCost", "GroupInput", "cost_of", "owner_exchange", "plan_for"]
 

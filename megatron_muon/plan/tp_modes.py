@@ -40,13 +40,13 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from megatron_muon.engine.bucket_schedule import BucketJob, critical_path
+from megatron_muon.engine.layout import RowLayout
+from megatron_muon.engine.step_plan import NSMatrix, bucket_job, plan_step
 from megatron_muon.newton_schulz.cost_model import pieces_flops
 from megatron_muon.plan.fsdp_layout import layout_rows
 from megatron_muon.plan.models import Matrix, ModelSpec, Parallelism, muon_matrices
 from megatron_muon.plan.strategies import GroupInput, cost_of, owner_exchange, plan_for
-from megatron_muon.sharded.bucket_schedule import BucketJob, critical_path
-from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.step_plan import NSMatrix, bucket_job, plan_step
 
 __all__ = [
     "TP_MODES",

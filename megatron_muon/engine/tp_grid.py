@@ -54,8 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_muon.newton_schulz.cost_model import split_bounds
-from megatron_muon.sharded.layout import (
+from megatron_muon.engine.layout import (
     RowLayout,
     TensorParallelSplit,
     all_gather_single,
@@ -63,7 +62,8 @@ from megatron_muon.sharded.layout import (
     mesh_axes,
     ranks_along,
 )
-from megatron_muon.sharded.qkv import join_qkv, split_qkv
+from megatron_muon.engine.qkv import join_qkv, split_qkv
+from megatron_muon.newton_schulz.cost_model import split_bounds
 
 __all__ = [
     "GridLayouts",

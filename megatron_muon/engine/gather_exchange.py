@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE, ExchangeStats
-from megatron_muon.sharded.layout import RowLayout, all_gather_single
+from megatron_muon.engine.exchange import COLLECTIVE_SCOPE, ExchangeStats
+from megatron_muon.engine.layout import RowLayout, all_gather_single
 
 __all__ = ["GatherExchange"]
 

@@ -53,8 +53,8 @@ from megatron.core.optimizer.emerging_optimizers import _default_adam_based_eopt
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE, ExchangeStats, OwnerExchange
-from megatron_muon.sharded.layout import (
+from megatron_muon.engine.exchange import COLLECTIVE_SCOPE, ExchangeStats, OwnerExchange
+from megatron_muon.engine.layout import (
     RowLayout,
     check_same_params,
     gather_row_layouts,
@@ -62,15 +62,15 @@ from megatron_muon.sharded.layout import (
     local_tensor,
     mesh_axes,
 )
-from megatron_muon.sharded.soap_matrix import (
+from megatron_muon.engine.owner_state import owner_held_dtensor, whole_dtensor
+from megatron_muon.engine.step_plan import WorkBlock
+from megatron_muon.optimizers.soap_matrix import (
     TENSOR_KEYS,
     SoapConfig,
     init_matrix_state,
     soap_matrix_update,
 )
-from megatron_muon.sharded.soap_plan import SoapOwnerPlan, plan_soap_owners
-from megatron_muon.sharded.soap_state import owner_held_dtensor, whole_dtensor
-from megatron_muon.sharded.step_plan import WorkBlock
+from megatron_muon.optimizers.soap_plan import SoapOwnerPlan, plan_soap_owners
 
 __all__ = ["ShardedSOAP"]
 

@@ -58,19 +58,19 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schu
 from torch.optim.optimizer import ParamsT
 
 from megatron_muon.common.options import check_choice
+from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.engine.layout import local_tensor
+from megatron_muon.engine.optimizer_plan import OptimizerPlan
+from megatron_muon.engine.planner import MIN_SPLIT_FLOPS
+from megatron_muon.engine.tensor_parallel import stock_tp_mode
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import local_tensor
-from megatron_muon.sharded.moment2_partitions import (
+from megatron_muon.optimizers.moment2_partitions import (
     Partitions,
     partitions_of,
     share_states,
     state_shape,
 )
-from megatron_muon.sharded.optimizer_plan import OptimizerPlan
-from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
-from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.tensor_parallel import stock_tp_mode
+from megatron_muon.optimizers.muon import ShardedMuon
 
 __all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon", "raw_orthogonalize_fn"]
 

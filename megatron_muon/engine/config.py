@@ -37,9 +37,9 @@ from megatron_muon.common.options import (
     TpModeT,
     check_choice,
 )
+from megatron_muon.engine.planner import MIN_SPLIT_FLOPS
 from megatron_muon.newton_schulz.methods import NSConfig, NSMethodT
 from megatron_muon.newton_schulz.syrk import syrk_problem
-from megatron_muon.sharded.planner import MIN_SPLIT_FLOPS
 
 __all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "MuonConfig", "MuonFsdpConfig", "flag"]
 

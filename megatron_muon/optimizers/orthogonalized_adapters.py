@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.common.options import OrthogonalizedOptimizerT
-from megatron_muon.sharded.layout import local_tensor
-from megatron_muon.sharded.optimizer_plan import OptimizerPlan
-from megatron_muon.sharded.orthogonalized import ShardedOrthogonalized, counts_rows
+from megatron_muon.engine.layout import local_tensor
+from megatron_muon.engine.optimizer_plan import OptimizerPlan
+from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized, counts_rows
 
 __all__ = [
     "SHARDED_ORTHOGONALIZED",

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_muon.sharded.layout import RowLayout
-from megatron_muon.sharded.step_plan import WorkBlock
+from megatron_muon.engine.layout import RowLayout
+from megatron_muon.engine.step_plan import WorkBlock
 
 __all__ = [
     "COLLECTIVE_SCOPE",

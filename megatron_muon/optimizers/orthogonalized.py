@@ -55,13 +55,13 @@ from emerging_optimizers.orthogonalized_optimizers import OrthogonalizedOptimize
 from megatron.core.optimizer.emerging_optimizers import _kwargs_from_config
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import local_tensor
-from megatron_muon.sharded.ns_runner import NSRunner
-from megatron_muon.sharded.optimizer_plan import OptimizerPlan
-from megatron_muon.sharded.sharded_muon import ShardedMuon
-from megatron_muon.sharded.step_plan import NSMatrix
-from megatron_muon.sharded.tensor_parallel import tp_group
+from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.engine.layout import local_tensor
+from megatron_muon.engine.ns_runner import NSRunner
+from megatron_muon.engine.optimizer_plan import OptimizerPlan
+from megatron_muon.engine.step_plan import NSMatrix
+from megatron_muon.engine.tensor_parallel import tp_group
+from megatron_muon.optimizers.muon import ShardedMuon
 
 __all__ = ["ShardedOrthogonalized", "counts_rows"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_muon.sharded.layout import group_ranks, mesh_axes
+from megatron_muon.engine.layout import group_ranks, mesh_axes
 
 __all__ = ["Partitions", "partitions_of", "share_states", "state_shape"]
 

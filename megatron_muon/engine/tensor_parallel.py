@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.common.options import TpModeT
+from megatron_muon.engine.layout import TensorParallelSplit, group_ranks, mesh_axes
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.layout import TensorParallelSplit, group_ranks, mesh_axes
 
 __all__ = [
     "check_ns_method",

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_muon.engine.exchange import ExchangeStats
+from megatron_muon.engine.qkv import join_qkv, split_qkv
+from megatron_muon.engine.step_plan import MatrixPlan, NSMatrix
+from megatron_muon.engine.tp_grid import join_partitions, stack_partitions
 from megatron_muon.newton_schulz.cost_model import split_ns_flops
 from megatron_muon.newton_schulz.methods import NSConfig, orthogonalize_batch
 from megatron_muon.newton_schulz.split import split_scaled_orthogonalize
-from megatron_muon.sharded.exchange import ExchangeStats
-from megatron_muon.sharded.qkv import join_qkv, split_qkv
-from megatron_muon.sharded.step_plan import MatrixPlan, NSMatrix
-from megatron_muon.sharded.tp_grid import join_partitions, stack_partitions
 
 __all__ = ["NS_SCOPE", "NSRunner", "StepStats", "batch_pays"]
 

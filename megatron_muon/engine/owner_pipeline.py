@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.common.options import FsdpModeT
-from megatron_muon.sharded.exchange import COLLECTIVE_SCOPE, OwnerExchange
-from megatron_muon.sharded.gather_exchange import GatherExchange
-from megatron_muon.sharded.ns_runner import NSRunner, StepStats
-from megatron_muon.sharded.step_plan import MatrixPlan, StepPlan
+from megatron_muon.engine.exchange import COLLECTIVE_SCOPE, OwnerExchange
+from megatron_muon.engine.gather_exchange import GatherExchange
+from megatron_muon.engine.ns_runner import NSRunner, StepStats
+from megatron_muon.engine.step_plan import MatrixPlan, StepPlan
 
 __all__ = ["BucketRuntime", "create_split_groups"]
 

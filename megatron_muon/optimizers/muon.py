@@ -35,22 +35,22 @@ from emerging_optimizers import utils as eo_utils
 from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.newton_schulz.cost_model import pieces_flops
-from megatron_muon.sharded.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.sharded.layout import local_tensor
-from megatron_muon.sharded.momentum_offload import MomentumOffload
-from megatron_muon.sharded.ns_runner import NSRunner, StepStats
-from megatron_muon.sharded.optimizer_plan import OptimizerPlan
-from megatron_muon.sharded.planner import OwnerPlan
-from megatron_muon.sharded.qkv import qkv_pieces
-from megatron_muon.sharded.step_plan import NSMatrix
-from megatron_muon.sharded.tensor_parallel import (
+from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.engine.layout import local_tensor
+from megatron_muon.engine.momentum_offload import MomentumOffload
+from megatron_muon.engine.ns_runner import NSRunner, StepStats
+from megatron_muon.engine.optimizer_plan import OptimizerPlan
+from megatron_muon.engine.planner import OwnerPlan
+from megatron_muon.engine.qkv import qkv_pieces
+from megatron_muon.engine.step_plan import NSMatrix
+from megatron_muon.engine.tensor_parallel import (
     check_ns_method,
     check_param_meshes,
     stock_tp_mode,
     tp_group,
 )
-from megatron_muon.sharded.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
+from megatron_muon.engine.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
+from megatron_muon.newton_schulz.cost_model import pieces_flops
 
 __all__ = ["ShardedMuon", "StepStats"]
 

@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.common.options import TpModeT
+from megatron_muon.engine.config import MuonFsdpConfig
+from megatron_muon.engine.layout import check_same_params, gather_row_layouts
+from megatron_muon.engine.owner_pipeline import BucketRuntime
+from megatron_muon.engine.qkv import qkv_split_shapes
+from megatron_muon.engine.step_plan import NSMatrix, StepPlan, plan_step
+from megatron_muon.engine.tensor_parallel import needs_tp_collectives
+from megatron_muon.engine.tp_grid import GridLayouts, grid_ranks
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.config import MuonFsdpConfig
-from megatron_muon.sharded.layout import check_same_params, gather_row_layouts
-from megatron_muon.sharded.owner_pipeline import BucketRuntime
-from megatron_muon.sharded.qkv import qkv_split_shapes
-from megatron_muon.sharded.step_plan import NSMatrix, StepPlan, plan_step
-from megatron_muon.sharded.tensor_parallel import needs_tp_collectives
-from megatron_muon.sharded.tp_grid import GridLayouts, grid_ranks
 
 __all__ = ["OptimizerPlan", "PlannedMuon"]
 

@@ -17,6 +17,17 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
+from megatron_muon.engine.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
+from megatron_muon.engine.bucket_schedule import BucketJob, bucket_by_schedule, critical_path
+from megatron_muon.engine.planner import (
+    MIN_SPLIT_FLOPS,
+    OwnerPlan,
+    place_near_rows,
+    plan_owners,
+    plan_split_owners,
+)
+from megatron_muon.engine.qkv import qkv_pieces
+from megatron_muon.engine.tp_grid import row_parallel_split_blocks
 from megatron_muon.newton_schulz.cost_model import (
     long_dim,
     pieces_flops,
@@ -25,20 +36,9 @@ from megatron_muon.newton_schulz.cost_model import (
     split_pieces_flops,
 )
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.sharded.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
-from megatron_muon.sharded.bucket_schedule import BucketJob, bucket_by_schedule, critical_path
-from megatron_muon.sharded.planner import (
-    MIN_SPLIT_FLOPS,
-    OwnerPlan,
-    place_near_rows,
-    plan_owners,
-    plan_split_owners,
-)
-from megatron_muon.sharded.qkv import qkv_pieces
-from megatron_muon.sharded.tp_grid import row_parallel_split_blocks
 
 if TYPE_CHECKING:
-    from megatron_muon.sharded.layout import RowLayout
+    from megatron_muon.engine.layout import RowLayout
 
 __all__ = [
     "MatrixPlan",
