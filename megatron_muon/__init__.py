@@ -1,6 +1,6 @@
 """megatron-muon: exact, fast Muon for models trained with Megatron-FSDP."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from megatron_muon.checkpointing import load_checkpoint, save_checkpoint
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig

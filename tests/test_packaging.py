@@ -89,3 +89,11 @@ def test_a_test_without_the_multirank_marker_cannot_launch_ranks():
 
     with pytest.raises(RuntimeError, match="not marked @pytest.mark.multirank"):
         run_on_ranks(print, 2)
+
+
+def test_the_version_is_one_in_pyproject_and_the_package_and_has_a_changelog_section():
+    import megatron_muon
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert megatron_muon.__version__ == version
+    assert f"\n## [{version}] - " in (REPO / "CHANGELOG.md").read_text()

@@ -23,10 +23,8 @@ parallelism meets the row shards: ``tensor_parallel``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
@@ -51,17 +49,9 @@ from megatron_muon.engine.tensor_parallel import (
 )
 from megatron_muon.engine.tp_grid import join_partitions, orthogonalize_unsplit, stack_partitions
 from megatron_muon.newton_schulz.cost_model import pieces_flops
+from megatron_muon.optimizers.muon_keywords import configs_of_keywords, deprecated_flat_keywords
 
 __all__ = ["ShardedMuon", "StepStats"]
-
-_MUON_FIELDS = {f.name for f in fields(MuonConfig)}
-_FSDP_FIELDS = {f.name for f in fields(MuonFsdpConfig)}
-# ``ShardedMuon.from_keywords``: TensorParallelMuon's defaults of the MuonConfig fields.
-_TENSOR_PARALLEL_MUON_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(TensorParallelMuon.__init__).parameters.items()
-    if name in _MUON_FIELDS
-}
 
 
 class ShardedMuon(TensorParallelMuon):
@@ -85,7 +75,9 @@ class ShardedMuon(TensorParallelMuon):
             (``TensorParallelMuon``'s; ``is_qkv_fn`` is required with ``muon.split_qkv``).
         use_decoupled_weight_decay: ``TensorParallelMuon``'s (Megatron always decouples).
 
-    ``ShardedMuon.from_keywords`` builds one from ``TensorParallelMuon``'s flat keywords.
+    ``ShardedMuon.from_keywords`` builds one from ``TensorParallelMuon``'s flat keywords. The
+    constructor of 0.1, ``ShardedMuon(params, momentum=..., mode=...)`` (those flat keywords in
+    place of ``muon=`` and ``fsdp=``), still works for 0.2 with a ``DeprecationWarning``.
 
     Params: DTensors with ``Shard(0)`` or ``Replicate`` placements on their data-parallel mesh axes
     (1-D ``dp_group`` mesh, or the two axes of an HSDP mesh), plus, under tensor parallelism,
@@ -121,7 +113,10 @@ class ShardedMuon(TensorParallelMuon):
         is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
         qkv_split_shapes: list[int] | None = None,
         use_decoupled_weight_decay: bool = True,
+        **flat_keywords: Any,
     ) -> None:
+        if flat_keywords:  # 0.1's constructor: deprecated, removed in 0.3.0
+            muon, fsdp = deprecated_flat_keywords(flat_keywords, muon, fsdp)
         # Refused at construction: values that would step uphill or fail only at the first step.
         # Every other setting was checked by its config when that was built.
         if not lr >= 0.0:  # also NaN
@@ -171,16 +166,8 @@ class ShardedMuon(TensorParallelMuon):
         Raises:
             TypeError: a keyword that names none of these.
         """
-        muon = {k: keywords.pop(k) for k in list(keywords) if k in _MUON_FIELDS}
-        fsdp = {k: keywords.pop(k) for k in list(keywords) if k in _FSDP_FIELDS}
-        return cls(
-            params,
-            lr=lr,
-            weight_decay=weight_decay,
-            muon=MuonConfig(**{**_TENSOR_PARALLEL_MUON_DEFAULTS, **muon}),
-            fsdp=MuonFsdpConfig(**fsdp),
-            **keywords,
-        )
+        muon, fsdp, others = configs_of_keywords(keywords)
+        return cls(params, lr=lr, weight_decay=weight_decay, muon=muon, fsdp=fsdp, **others)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group`` (also used by the constructor), refusing params that

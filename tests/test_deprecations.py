@@ -1,0 +1,76 @@
+"""What 0.1 spelled otherwise still works for one release (0.2), with a ``DeprecationWarning``
+naming the new spelling: the module paths ``megatron_muon.sharded.<module>`` (each gives the new
+module itself, so classes are the same objects) and ``ShardedMuon``'s flat constructor keywords
+(the same configs as ``ShardedMuon.from_keywords``, so the same steps)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megatron_muon.sharded import MOVED
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_module_path_warns_naming_the_new_one_and_is_the_new_module(old: str) -> None:
+    sys.modules.pop(f"megatron_muon.sharded.{old}", None)
+    with pytest.warns(DeprecationWarning, match=rf"import {MOVED[old]}$"):
+        module = importlib.import_module(f"megatron_muon.sharded.{old}")
+    assert module is importlib.import_module(MOVED[old])
+
+
+def test_from_import_of_an_old_class_path_gives_the_same_class_with_one_warning() -> None:
+    sys.modules.pop("megatron_muon.sharded.sharded_muon", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from megatron_muon.sharded.sharded_muon import ShardedMuon as old_class
+    from megatron_muon.optimizers.muon import ShardedMuon
+
+    assert old_class is ShardedMuon
+    assert [type(w.message) for w in caught] == [DeprecationWarning]
+
+
+def test_an_unknown_old_name_is_an_import_error() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("megatron_muon.sharded.no_such_module")
+
+
+def _params() -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(8, 4, generator=generator)) for _ in range(2)]
+
+
+def test_the_flat_keyword_constructor_warns_and_steps_bitwise_as_from_keywords() -> None:
+    from megatron_muon import ShardedMuon
+
+    keywords = {"momentum": 0.9, "nesterov": False, "num_ns_steps": 3, "mode": "gather"}
+    old_params, new_params = _params(), _params()
+    with pytest.warns(DeprecationWarning, match=r"pass muon=MuonConfig\(...\) and fsdp="):
+        old = ShardedMuon(old_params, lr=0.02, **keywords)
+    new = ShardedMuon.from_keywords(new_params, lr=0.02, **keywords)
+    assert (old.muon_config, old.fsdp_config) == (new.muon_config, new.fsdp_config)
+    for _ in range(2):
+        for old_param, new_param in zip(old_params, new_params, strict=True):
+            old_param.grad = torch.ones_like(old_param) + old_param
+            new_param.grad = torch.ones_like(new_param) + new_param
+        old.step()
+        new.step()
+    assert all(torch.equal(a, b) for a, b in zip(old_params, new_params, strict=True))
+
+
+def test_a_config_and_its_own_fields_as_flat_keywords_are_refused() -> None:
+    from megatron_muon import MuonConfig, ShardedMuon
+
+    with pytest.raises(TypeError, match=r"muon= and its fields \['momentum'\]"):
+        ShardedMuon(_params(), muon=MuonConfig(), momentum=0.9)
+
+
+def test_an_unknown_flat_keyword_is_refused_naming_it() -> None:
+    from megatron_muon import ShardedMuon
+
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['momentun'\]"):
+        ShardedMuon(_params(), momentun=0.9)
