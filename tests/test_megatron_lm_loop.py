@@ -28,6 +28,7 @@ from tests.megatron_lm_logs import (
     assert_loss_falls,
     assert_same_losses,
     load_fsdp_dtensor_checkpoint,
+    printed_lines,
 )
 from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
@@ -224,6 +225,16 @@ def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
     assert_loss_falls(losses)
     assert_same_losses(losses, muon_dp1.series("lm loss"))
     assert_same_losses(run.series("grad norm"), muon_dp1.series("grad norm"))
+    # The learned absolute position embedding (Megatron's default --position-embedding-type):
+    # megatron-core's own Muon takes it, ours gives it to AdamW, and says so once, on rank 0.
+    routing_lines = printed_lines(run, 0, "megatron-muon routing:")
+    assert routing_lines == [
+        "megatron-muon routing: module.module.embedding.position_embeddings.weight -> adam "
+        "(megatron-core's own optimizer: muon): an embedding without megatron-core's "
+        "is_embedding_or_output_parameter tag, as the learned absolute position embedding is; "
+        "see docs/exactness.md"
+    ], routing_lines
+    assert printed_lines(run, 1, "megatron-muon routing:") == []
 
 
 @pytest.mark.multirank

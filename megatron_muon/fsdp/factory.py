@@ -185,6 +185,8 @@ def build_muon_optimizer(
     )
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
+    for difference in routing.differences:  # where megatron-core's own optimizer routes otherwise
+        print_rank_0(difference.log_line())
 
     clip = build_qk_clip(qk_clip, chunks, pg_collection, fsdp_modules)
     if clip is not None:

@@ -23,7 +23,7 @@ megatron-core sets on model params (``allreduce``, ``expert_tp``, ``is_qkv``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "RoutedParam",
+    "RoutingDifference",
     "Routing",
     "route_params",
     "param_groups_by_optimizer",
@@ -60,6 +61,26 @@ class RoutedParam:
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingDifference:
+    """A param routed otherwise than megatron-core's own emerging optimizer routes it (its
+    default overrides: the scalar optimizer takes params tagged ``is_embedding_or_output_parameter``
+    and params that are not 2-D, the matrix optimizer the rest): ``ours`` and ``stock`` are the
+    optimizers' names, ``reason`` why ours differs."""
+
+    name: str
+    ours: str
+    stock: str
+    reason: str
+
+    def log_line(self) -> str:
+        """The line the factory prints once at build time (rank 0)."""
+        return (
+            f"megatron-muon routing: {self.name} -> {self.ours} (megatron-core's own optimizer: "
+            f"{self.stock}): {self.reason}; see docs/exactness.md"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Routing:
     """The routing of every optimizer param of the model chunks.
 
@@ -72,6 +93,8 @@ class Routing:
             weights, or None when none is tagged.
         matrix_optimizer, scalar_optimizer: the names of the two targets (``"muon"`` and
             ``muon_scalar_optimizer``; ``"lion"`` and ``"adam"``).
+        differences: the params routed otherwise than megatron-core routes them, in ``params``
+            order.
     """
 
     params: list[RoutedParam]
@@ -79,6 +102,7 @@ class Routing:
     qkv_split_shapes: list[int] | None
     matrix_optimizer: str = "muon"
     scalar_optimizer: str = "adam"
+    differences: list[RoutingDifference] = field(default_factory=list)
 
 
 def route_params(
@@ -108,7 +132,8 @@ def route_params(
     routing = [RoutedParam(name, route(p, name), is_expert(p), tuple(p.shape)) for name, p in named]
     if matrix_name == "muon":
         _check_muon_params(routing)
-    return Routing(routing, overrides, qkv_split_shapes, matrix_name, scalar_name)
+    differences = _routing_differences(chunks, named, user_overrides, scalar_name, matrix_name)
+    return Routing(routing, overrides, qkv_split_shapes, matrix_name, scalar_name, differences)
 
 
 def _named_optimizer_params(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -223,8 +248,20 @@ def _router(
     scalar_name: str,
     matrix_name: str,
 ) -> Callable[[torch.Tensor, str], str]:
-    """``route(param, name) -> matrix_name | scalar_name``."""
-    embeddings = {
+    """``route(param, name) -> matrix_name | scalar_name`` (or a ``config_overrides`` choice)."""
+    embeddings = _embedding_param_ids(chunks)
+
+    def route(param: torch.Tensor, name: str) -> str:
+        explicit = _explicit_optimizer(user_overrides, param, name)
+        if explicit is not None:
+            return explicit
+        return scalar_name if _scalar_reason(param, embeddings) else matrix_name
+
+    return route
+
+
+def _embedding_param_ids(chunks: list[torch.nn.Module]) -> set[int]:
+    return {
         id(p)
         for chunk in chunks
         for module in chunk.modules()
@@ -232,22 +269,55 @@ def _router(
         for p in module.parameters()
     }
 
-    def route(param: torch.Tensor, name: str) -> str:
-        matching = [o for key, o in user_overrides.items() if key.matches(param, name)]
-        explicit = combine_param_group_overrides(matching).get("optimizer") if matching else None
-        if explicit is not None:
-            return explicit
-        if (
-            id(param) in embeddings
-            or _attr(param, "is_embedding_or_output_parameter", False)
-            or _attr(param, "is_embedding_parameter", False)
-            or param.ndim != 2
-            or _attr(param, "use_muon", True) is False
-        ):
-            return scalar_name
-        return matrix_name
 
-    return route
+def _explicit_optimizer(
+    user_overrides: dict[ParamKey, Any], param: torch.Tensor, name: str
+) -> str | None:
+    """The optimizer a ``config_overrides`` entry names for the param, if any."""
+    matching = [o for key, o in user_overrides.items() if key.matches(param, name)]
+    return combine_param_group_overrides(matching).get("optimizer") if matching else None
+
+
+# Why the scalar optimizer takes a param, first match: megatron-core's own emerging-optimizer
+# routing has the first two rules only (its default overrides), ours all of them.
+_STOCK_REASONS = ("tagged is_embedding_or_output_parameter", "not 2-D")
+
+
+def _scalar_reason(param: torch.Tensor, embeddings: set[int]) -> str | None:
+    """Why the scalar optimizer takes ``param`` by our rules (None: the matrix optimizer does)."""
+    if _attr(param, "is_embedding_or_output_parameter", False):
+        return _STOCK_REASONS[0]
+    if param.ndim != 2:
+        return _STOCK_REASONS[1]
+    if id(param) in embeddings:
+        return (
+            "an embedding without megatron-core's is_embedding_or_output_parameter tag, "
+            "as the learned absolute position embedding is"
+        )
+    if _attr(param, "is_embedding_parameter", False):
+        return "tagged is_embedding_parameter"
+    if _attr(param, "use_muon", True) is False:
+        return "tagged use_muon=False"
+    return None
+
+
+def _routing_differences(
+    chunks: list[torch.nn.Module],
+    named: list[tuple[str, torch.Tensor]],
+    user_overrides: dict[ParamKey, Any],
+    scalar_name: str,
+    matrix_name: str,
+) -> list[RoutingDifference]:
+    """The params our rules give the scalar optimizer where megatron-core's give them the matrix
+    optimizer (a ``config_overrides`` choice routes both alike)."""
+    embeddings = _embedding_param_ids(chunks)
+    differences = []
+    for name, param in named:
+        reason = _scalar_reason(param, embeddings)
+        explicit = _explicit_optimizer(user_overrides, param, name)
+        if explicit is None and reason is not None and reason not in _STOCK_REASONS:
+            differences.append(RoutingDifference(name, scalar_name, matrix_name, reason))
+    return differences
 
 
 def _routing_predicate(route: Callable[[torch.Tensor, str], str], scalar_name: str) -> Any:
