@@ -99,7 +99,8 @@ def verdicts(results: dict) -> dict[str, dict]:
 
 def predict(results: dict, config: GpuBenchConfig) -> dict:
     """Owner step and whole-step Muon/AdamW at DP = 8-64: the plan tool at the measured rates."""
-    from megatron_muon.plan.models import ModelSpec, default_parallelism
+    from megatron_muon.plan.model_specs import ModelSpec
+    from megatron_muon.plan.models import default_parallelism
     from megatron_muon.plan.report import analyze
 
     stock, training = results.get("stock"), results.get("training")

@@ -107,7 +107,8 @@ def build(
             0, ShardedMuon.from_keywords(experts, dp_group=expert_group, **MUON_KWARGS)
         )
     if matrices and adaptive is not None:
-        from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+        from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
+        from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 
         config = AdaptiveMuonConfig(moment2_method=adaptive)  # type: ignore[arg-type]
         matrix_optimizer = ShardedAdaptiveMuon.from_keywords(

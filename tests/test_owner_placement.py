@@ -1,6 +1,6 @@
-"""Owners placed near their rows (``planner.place_near_rows``) and the exchange buckets they get
-(``bucket_cuts.bucket_by_owner_rounds``): fewer rows travel, no rank's NS grows, ranks stay
-level."""
+"""Owners placed near their rows (``owner_locality.place_near_rows``) and the exchange buckets
+they get (``bucket_cuts.bucket_by_owner_rounds``): fewer rows travel, no rank's NS grows, ranks
+stay level."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from megatron_muon.engine.bucket_cuts import bucket_by_owner_rounds
 from megatron_muon.engine.layout import RowLayout
-from megatron_muon.engine.planner import OwnerPlan, place_near_rows, plan_owners
+from megatron_muon.engine.owner_locality import place_near_rows
+from megatron_muon.engine.planner import OwnerPlan, plan_owners
 from megatron_muon.engine.step_plan import exchanged_elements
 from megatron_muon.newton_schulz.methods import ns_flops
 from megatron_muon.plan.fsdp_layout import bucket_rows

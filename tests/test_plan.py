@@ -29,13 +29,8 @@ from megatron_muon.newton_schulz.methods import ns_flops
 from megatron_muon.newton_schulz.split import split_newton_schulz
 from megatron_muon.plan.__main__ import main as plan_main
 from megatron_muon.plan.fsdp_layout import layout_rows
-from megatron_muon.plan.models import (
-    PRESETS,
-    ModelSpec,
-    Parallelism,
-    load_model_config,
-    muon_matrices,
-)
+from megatron_muon.plan.model_specs import PRESETS, ModelSpec, load_model_config
+from megatron_muon.plan.models import Parallelism, muon_matrices
 from megatron_muon.plan.report import analyze
 from megatron_muon.plan.strategies import GroupInput, cost_of
 from megatron_muon.testing import RankFailure, run_on_ranks

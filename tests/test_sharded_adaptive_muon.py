@@ -63,7 +63,8 @@ def _reference(method: str, fulls: list[torch.Tensor]):
 
 
 def _sharded(params, method: str, mode: str, **extra):
-    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 
     config = AdaptiveMuonConfig(moment2_method=method, beta2=BETA2, eps=EPS)
     kwargs = {"tp_mode": "blockwise", **KWARGS, **extra}
@@ -169,7 +170,8 @@ def test_row_shards_equal_adaptive_muon_on_full_matrices(world_size: int) -> Non
 
 def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
     from megatron_muon.engine.config import MuonFsdpConfig
-    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 
     matrix = [torch.nn.Parameter(torch.zeros(4, 4))]
     with pytest.raises(ValueError, match="min_split_flops=0 does not apply"):

@@ -59,7 +59,8 @@ def _case(pgc, mesh, method: str, tp_mode: str, mode: str, path: str) -> dict:
     from megatron_muon.engine.layout import local_tensor
     from megatron_muon.engine.tensor_parallel import stock_tp_mode
     from megatron_muon.integrations.adaptive_muon_fix import TensorParallelAdaptiveMuonFixed
-    from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
+    from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 
     tp_rank, dp_rank = pgc.tp.rank(), pgc.dp_cp.rank()
 

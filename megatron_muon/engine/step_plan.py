@@ -19,13 +19,8 @@ from typing import TYPE_CHECKING
 
 from megatron_muon.engine.bucket_cuts import bucket_by_bytes, bucket_by_owner_rounds
 from megatron_muon.engine.bucket_schedule import BucketJob, bucket_by_schedule, critical_path
-from megatron_muon.engine.planner import (
-    MIN_SPLIT_FLOPS,
-    OwnerPlan,
-    place_near_rows,
-    plan_owners,
-    plan_split_owners,
-)
+from megatron_muon.engine.owner_locality import place_near_rows
+from megatron_muon.engine.planner import MIN_SPLIT_FLOPS, OwnerPlan, plan_owners, plan_split_owners
 from megatron_muon.engine.qkv import qkv_pieces
 from megatron_muon.engine.tp_grid import row_parallel_split_blocks
 from megatron_muon.newton_schulz.cost_model import (
@@ -220,7 +215,7 @@ def plan_step(
     owner (largest cost first onto the least-loaded rank).
 
     A one-owner plan then moves owners to ranks that hold more of their rows
-    (``planner.place_near_rows``; its largest load unchanged), unless a matrix's NS needs
+    (``owner_locality.place_near_rows``; its largest load unchanged), unless a matrix's NS needs
     tensor-parallel collectives: those need the identical plan on every tensor-parallel rank,
     whose row layouts may differ.
 

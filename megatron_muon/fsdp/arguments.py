@@ -48,7 +48,7 @@ from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
-from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig
+from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [

@@ -68,7 +68,8 @@ from megatron_muon.fsdp.routing import (
     route_params,
 )
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
-from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig, ShardedAdaptiveMuon
+from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
+from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.muon import ShardedMuon
 from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
 from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED

@@ -27,7 +27,7 @@ from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
-from megatron_muon.optimizers.adaptive_muon import AdaptiveMuonConfig
+from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [

@@ -48,22 +48,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon, Moment2MethodT
+from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import AdaptiveMuon
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
 from torch.optim.optimizer import ParamsT
 
-from megatron_muon.common.options import check_choice
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.engine.layout import local_tensor
 from megatron_muon.engine.optimizer_plan import OptimizerPlan
 from megatron_muon.engine.planner import MIN_SPLIT_FLOPS
 from megatron_muon.engine.tensor_parallel import stock_tp_mode
 from megatron_muon.newton_schulz.methods import NSConfig
+from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.moment2_partitions import (
     Partitions,
     partitions_of,
@@ -72,60 +72,10 @@ from megatron_muon.optimizers.moment2_partitions import (
 )
 from megatron_muon.optimizers.muon import ShardedMuon
 
-__all__ = ["AdaptiveMuonConfig", "ShardedAdaptiveMuon", "raw_orthogonalize_fn"]
+__all__ = ["ShardedAdaptiveMuon", "raw_orthogonalize_fn"]
 
 # No matrix's NS is split over ranks: the second moment needs each whole matrix on one rank.
 _NEVER_SPLIT = 2**62
-
-
-def _help(text: str) -> dict[str, str]:
-    """A field's flag help (``fsdp.arguments.add_optimizer_config_flags`` reads it)."""
-    return {"help": f"--optimizer adaptive_muon: {text}."}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AdaptiveMuonConfig:
-    """Megatron's adaptive-Muon settings (``OptimizerConfig.adaptive_muon_*``), same names without
-    the prefix, defaults megatron-core 0.19.2's (= ``AdaptiveMuon``'s).
-
-    Attributes:
-        moment2_method: ``"adamuon"`` (elementwise), ``"normuon"`` (per row or per column) or
-            ``"namo"`` (a Frobenius-norm ratio); emerging-optimizers' ``Moment2MethodT``.
-        beta2: decay of the second moment's running average, in [0, 1).
-        eps: added to the second moment's root (adamuon, namo) or its floor (normuon), >= 0.
-    """
-
-    moment2_method: Moment2MethodT = field(
-        default="adamuon",
-        metadata=_help(
-            "the second moment applied to the raw Newton-Schulz result: 'adamuon' elementwise, "
-            "'normuon' per row or column, 'namo' a Frobenius-norm ratio"
-        ),
-    )
-    beta2: float = field(
-        default=0.95, metadata=_help("decay of the second moment's running average, in [0, 1)")
-    )
-    eps: float = field(default=1e-8, metadata=_help("the second moment's epsilon, >= 0"))
-
-    def __post_init__(self) -> None:
-        check_choice("moment2_method", self.moment2_method, Moment2MethodT)
-        if not 0.0 <= self.beta2 < 1.0:
-            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
-        if not self.eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {self.eps}")
-
-    @classmethod
-    def from_optimizer_config(cls, config: Any) -> AdaptiveMuonConfig:
-        """Reads ``config.adaptive_muon_<field>`` (``OptimizerConfig`` or Megatron's parsed args).
-
-        Raises:
-            ValueError: naming the ``adaptive_muon_`` field read.
-        """
-        values = {f.name: getattr(config, f"adaptive_muon_{f.name}") for f in fields(cls)}
-        try:
-            return cls(**values)
-        except ValueError as error:  # every message starts with the field's name
-            raise ValueError(f"adaptive_muon_{error}") from None
 
 
 def raw_orthogonalize_fn(num_ns_steps: int, coefficient_type: str, tp_mode: str) -> Any:

@@ -16,7 +16,8 @@ from typing import get_args
 
 from megatron_muon.engine.config import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
-from megatron_muon.plan.models import PRESETS, default_parallelism, load_model_config
+from megatron_muon.plan.model_specs import PRESETS, load_model_config
+from megatron_muon.plan.models import default_parallelism
 from megatron_muon.plan.report import analyze, format_report
 from megatron_muon.plan.strategies import GroupInput
 from megatron_muon.plan.tp_modes import TP_MODES, format_tp_modes, tp_mode_figures

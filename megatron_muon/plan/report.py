@@ -15,7 +15,8 @@ import numpy as np
 
 from megatron_muon.newton_schulz.methods import DEFAULT_NS_METHOD, NSMethodT
 from megatron_muon.plan.fsdp_layout import layout_rows
-from megatron_muon.plan.models import ModelSpec, Parallelism, muon_matrices
+from megatron_muon.plan.model_specs import ModelSpec
+from megatron_muon.plan.models import Parallelism, muon_matrices
 from megatron_muon.plan.strategies import STRATEGIES, GroupCost, GroupInput, cost_of, plan_for
 
 __all__ = ["PlanReport", "StrategyFigures", "analyze", "format_report"]

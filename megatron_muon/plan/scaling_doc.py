@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from megatron_muon.engine.config import DEFAULT_BUCKET_SIZE_BYTES
-from megatron_muon.plan.models import PRESETS, default_parallelism
+from megatron_muon.plan.model_specs import PRESETS
+from megatron_muon.plan.models import default_parallelism
 from megatron_muon.plan.report import PlanReport, analyze
 from megatron_muon.plan.strategies import STRATEGIES, GroupInput
 from megatron_muon.plan.tp_modes import TP_MODES, tp_mode_figures

@@ -45,7 +45,8 @@ from megatron_muon.engine.layout import RowLayout
 from megatron_muon.engine.step_plan import NSMatrix, bucket_job, plan_step
 from megatron_muon.newton_schulz.cost_model import pieces_flops
 from megatron_muon.plan.fsdp_layout import layout_rows
-from megatron_muon.plan.models import Matrix, ModelSpec, Parallelism, muon_matrices
+from megatron_muon.plan.model_specs import ModelSpec
+from megatron_muon.plan.models import Matrix, Parallelism, muon_matrices
 from megatron_muon.plan.strategies import GroupInput, cost_of, owner_exchange, plan_for
 
 __all__ = [
