@@ -3,15 +3,19 @@
 # packages: installs the wheels of ./.whl (`make gpu-wheels` downloads them) over that torch, runs
 # the `gpu` tests and `python -m benchmarks --device cuda`, and writes to OUTDIR:
 #   env.txt       GPU, driver, torch/CUDA/megatron versions, commit
-#   pytest.log    `pytest -m gpu` (its summary line last)
+#   pytest.log    `pytest -m gpu`, three processes run side by side (pytest-main.log,
+#                 pytest-stock_parity.log, pytest-syrk.log, each with its summary line last)
+#   stock_parity.md  ours against megatron-core's own optimizers in Megatron-LM's loop on one GPU:
+#                 the largest relative differences of loss and grad norm, and the bf16 floor
 #   bench.log     the benchmark's progress and report
 #   results.json  the benchmark's figures and target verdicts; results.md, its tables (among them
 #                 standard vs symmetric NS)
 #   syrk.log      the syrk section's progress and report; syrk/, its results.json and results.md
 #                 (Triton syrk NS, --muon-use-syrk, against the standard NS, where syrk can run)
 # Usage: bash scripts/gpu_check.sh OUTDIR   (docs/gpu.md); GPU_CHECK_ONLY=tests, =bench or =syrk runs
-# one part (each fits a 10-minute slot; the syrk section compiles and autotunes its kernels for each
-# shape, 83-94 s a shape on an H100). Exit status: 0 when the tests and every benchmark section
+# one part (tests: 5 minutes at most; bench and syrk each fit a 10-minute slot; the syrk section
+# compiles and autotunes its kernels for each shape, 83-94 s a shape on an H100). In a 15-minute
+# lease: tests first, then bench, then syrk. Exit status: 0 when the tests and every benchmark section
 # ran; 1 otherwise; 2 without a CUDA device or with an unknown GPU_CHECK_ONLY.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,11 +59,30 @@ cat "$OUT/env.txt"
 
 status=0
 if [ -z "$ONLY" ] || [ "$ONLY" = tests ]; then
-  # -v: each test's name and verdict as it ends, so a run stopped at the time bound says how far
-  # it got (an H200 run of 2026-11-27 stopped there with four dots and no names).
-  timeout 420 "$PY" -m pytest -m gpu tests -p no:cacheprovider -v -rA --durations=0 \
-    > "$OUT/pytest.log" 2>&1 || status=1
+  # Three pytest processes side by side on the one GPU, each bounded at 280 s, so that the part
+  # ends within 5 minutes (docs/gpu.md has the estimate): test_gpu.py and the other gpu tests; the
+  # comparisons with megatron-core's own optimizers (their launches side by side, their figures in
+  # OUT/stock_parity.md); the syrk test, whose Triton kernels compile for 83-94 s. -v: each test's
+  # name and verdict as it ends, so a run stopped at the bound says how far it got.
+  PARITY=tests/test_megatron_lm_stock_parity.py
+  SYRK_TEST=tests/test_gpu.py::test_syrk_newton_schulz_matches_the_standard_bf16_iteration
+  gpu_pytest() {  # NAME PYTEST_ARGS...: writes OUT/pytest-NAME.log
+    local name=$1
+    shift
+    timeout 280 "$PY" -m pytest -m gpu -p no:cacheprovider -v -rA --durations=0 "$@" \
+      > "$OUT/pytest-$name.log" 2>&1
+  }
+  gpu_pytest main tests --ignore "$PARITY" --deselect "$SYRK_TEST" &
+  main=$!
+  MEGATRON_MUON_FIGURES="$OUT" gpu_pytest stock_parity "$PARITY" &
+  parity=$!
+  gpu_pytest syrk "$SYRK_TEST" &
+  syrk=$!
+  for pid in "$main" "$parity" "$syrk"; do wait "$pid" || status=1; done
+  cat "$OUT/pytest-main.log" "$OUT/pytest-stock_parity.log" "$OUT/pytest-syrk.log" \
+    > "$OUT/pytest.log"
   grep -E "(PASSED|FAILED|ERROR|SKIPPED)|(passed|failed|error).* in [0-9.]+s" "$OUT/pytest.log"
+  cat "$OUT/stock_parity.md" 2>/dev/null || echo "gpu_check: no stock_parity.md (the comparisons did not finish)"
 fi
 QUIET="UserWarning|warnings.warn|SyntaxWarning|Evict LRU"
 if [ -z "$ONLY" ] || [ "$ONLY" = bench ]; then
