@@ -56,8 +56,10 @@ def _relist(directory: str, listing: str, names: list[str]) -> None:
     for name in names:
         with open(os.path.join(directory, name), "rb") as handle:
             digest = hashlib.file_digest(handle, "sha256").hexdigest()
-        content["files"][name] = {"size": os.path.getsize(os.path.join(directory, name)),
-                                  "sha256": digest}
+        content["files"][name] = {
+            "size": os.path.getsize(os.path.join(directory, name)),
+            "sha256": digest,
+        }
     with open(path, "w") as handle:
         json.dump(content, handle)
 

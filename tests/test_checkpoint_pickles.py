@@ -17,6 +17,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron_muon.testing import run_on_ranks
 from tests.checkpoint_toys import (
@@ -42,7 +43,8 @@ NOTE = TrainerNote("resume from shard 3")
 
 def _loads(rank: int, world_size: int, refused: list[str], trusted: list[str]) -> dict:
     """Tries each of ``refused`` (reporting the error and whether state stayed untouched), then
-    loads each of ``trusted`` with ``trust_pickles=True`` (then one step trained from the last: a resume)."""
+    loads each of ``trusted`` with ``trust_pickles=True`` and trains one step from the last (a
+    resume)."""
     from megatron_muon.checkpointing import CheckpointError, load_checkpoint
 
     wrapped, optimizers, scheduler = build(world_size, "optim", seed=123)
@@ -56,7 +58,7 @@ def _loads(rank: int, world_size: int, refused: list[str], trusted: list[str]) -
             results.append({"type": type(error).__name__, "message": str(error)})
         after = local_snapshot(wrapped, optimizers)
         results[-1]["unchanged"] = all(
-            (a == b).all() for a, b in zip(before["params"].values(), after["params"].values())
+            torch.equal(tensor, after["params"][name]) for name, tensor in before["params"].items()
         )
     extras = []
     for path in trusted:
@@ -103,8 +105,10 @@ def test_a_pickle_naming_another_global_is_refused_on_every_rank_and_never_runs(
     copies, files = crafted["copies"], crafted["files"]
     expected = {
         "metadata": (os.path.join(copies["metadata"], ".metadata"), "posix.system"),
-        "extra": (os.path.join(copies["extra"], files["extra"]) + " (item common.extra)",
-                  "posix.system"),
+        "extra": (
+            os.path.join(copies["extra"], files["extra"]) + " (item common.extra)",
+            "posix.system",
+        ),
         "scheduler": (
             os.path.join(copies["scheduler"], files["scheduler"]) + " (item common.scheduler)",
             "posix.system",

@@ -55,6 +55,7 @@ __all__ = [
     "RestrictedLoadPlanner",
     "allowed_globals",
     "check_pickles",
+    "load_item",
     "load_pickled",
     "read_metadata",
 ]
@@ -109,7 +110,7 @@ def allowed_globals() -> dict[str, Any]:
         dcp_metadata._MEM_FORMAT_ENCODING,
         _StorageInfo,
     ]
-    plain = [
+    plain: list[Any] = [
         *dcp_types,
         torch.Size,
         torch.device,
@@ -187,7 +188,7 @@ def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any
     """
     if trust_pickles:
         return torch.load(io.BytesIO(data), weights_only=False)
-    safe = [(obj, name) for name, obj in allowed_globals().items()]
+    safe: list[Any] = [(obj, name) for name, obj in allowed_globals().items()]
     with torch.serialization.safe_globals(safe):
         try:
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
@@ -203,6 +204,25 @@ def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any
                 f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                 "nothing of this pickle ran"
             ) from None
+
+
+def _stored_bytes(directory: str, info: _StorageInfo) -> tuple[str, bytes]:
+    file = os.path.join(directory, info.relative_path)
+    with open(file, "rb") as stream:
+        stream.seek(info.offset)
+        return file, stream.read(info.length)
+
+
+def load_item(directory: str, key: str, *, trust_pickles: bool = False) -> Any:
+    """The value DCP stored whole under ``key`` in checkpoint ``directory`` (Megatron's
+    ``args``, ...), read restricted; ``KeyError`` if there is none (or it is stored
+    transformed)."""
+    metadata = read_metadata(directory, trust_pickles=trust_pickles)
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn == key and not info.transform_descriptors:
+            file, data = _stored_bytes(directory, info)
+            return load_pickled(data, f"{file} (item {key})", trust_pickles=trust_pickles)
+    raise KeyError(f"{directory} stores no {key}")
 
 
 def _check_value(data: bytes, where: str) -> None:
@@ -230,10 +250,7 @@ def check_pickles(directory: str) -> dcp_metadata.Metadata:
     for index, info in sorted((metadata.storage_data or {}).items(), key=lambda i: i[0].fqn):
         if index.fqn not in whole or info.transform_descriptors:
             continue
-        file = os.path.join(directory, info.relative_path)
-        with open(file, "rb") as stream:
-            stream.seek(info.offset)
-            data = stream.read(info.length)
+        file, data = _stored_bytes(directory, info)
         _check_value(data, f"{file} (item {index.fqn})")
     return metadata
 
@@ -269,7 +286,7 @@ def restricted_load_bytes(planner: DefaultLoadPlanner, read_item: Any, value: io
 class RestrictedFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` reading ``.metadata`` restricted."""
 
-    read_metadata = restricted_read_metadata  # type: ignore[assignment]  # same signature
+    read_metadata = restricted_read_metadata
 
 
 class RestrictedLoadPlanner(DefaultLoadPlanner):

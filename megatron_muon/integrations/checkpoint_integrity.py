@@ -56,9 +56,9 @@ import torch.distributed as dist
 from megatron_muon.checkpointing import CheckpointError, IncompleteCheckpointError
 from megatron_muon.checkpointing import files as checkpoint_files
 from megatron_muon.checkpointing.ranks import agree
-from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 from megatron_muon.checkpointing.safe_unpickle import read_metadata
 from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
+from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 from megatron_muon.integrations.megatron_lm_arguments import muon_meets_megatron_fsdp
 
 __all__ = [

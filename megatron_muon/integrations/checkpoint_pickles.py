@@ -55,8 +55,8 @@ def restricted_dcp_reads() -> Iterator[None]:
     restricted (``safe_unpickle``) inside the block; torch's own afterwards."""
     read_metadata = FileSystemReader.read_metadata
     load_bytes = DefaultLoadPlanner.load_bytes
-    FileSystemReader.read_metadata = safe_unpickle.restricted_read_metadata  # type: ignore[method-assign]  # the same signature
-    DefaultLoadPlanner.load_bytes = safe_unpickle.restricted_load_bytes  # type: ignore[method-assign]  # the same signature
+    FileSystemReader.read_metadata = safe_unpickle.restricted_read_metadata  # type: ignore[assignment]  # the same signature
+    DefaultLoadPlanner.load_bytes = safe_unpickle.restricted_load_bytes  # type: ignore[assignment]  # the same signature
     try:
         yield
     finally:

@@ -132,8 +132,8 @@ from megatron_muon.integrations import (
     restart_store,
     stock_lion,
 )
-from megatron_muon.integrations.checkpoint_pickles import refusing_unsafe_pickles
 from megatron_muon.integrations.checkpoint_optimizer_kind import checking_optimizer_state_first
+from megatron_muon.integrations.checkpoint_pickles import refusing_unsafe_pickles
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
