@@ -223,12 +223,16 @@ def load_checkpoint(
         manifest = files.read_marker(path)
         check_matches(path, manifest, inventory, scheduler)
         files.verify(path, manifest, trust_pickles=trust_pickles)
-        if not trust_pickles:
-            safe_unpickle.check_pickles(path)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before a collective
         error = caught
     agree_on_ranks(error, path, [] if inventory is None else inventory.names())
     assert inventory is not None
+    if not trust_pickles:  # after verify's agree: each rank hashed only its share of the files
+        try:
+            safe_unpickle.check_pickles(path)
+        except Exception as caught:  # noqa: BLE001 - every rank must learn of it
+            error = caught
+        agree(error)
     if not files.hashes_recorded(manifest):
         print_rank_0(
             f"megatron-muon: checkpoint {path} is format version {manifest['version']} (saved "
