@@ -64,3 +64,41 @@ def test_a_checkpoint_whose_metadata_does_not_read_is_refused_naming_the_file(
     args.optimizer = "muon"
     with pytest.raises(IncompleteCheckpointError, match=r"iter_0000004/\.metadata does not read"):
         check_optimizer_state_kinds(args, optimizer=object())
+
+
+def _adaptive_muon_checkpoint(directory: Path, method: str, tp: int) -> None:
+    """A DCP checkpoint (one process) holding what the check reads: Megatron's ``args`` and a
+    matrix's adaptive_muon state keys."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    args = argparse.Namespace(adaptive_muon_moment2_method=method, tensor_model_parallel_size=tp)
+    state = {"momentum_buffer": torch.zeros(4, 4), "moment2_buffer": torch.zeros(4, 1)}
+    dcp.save(
+        {"args": args, "optimizer": {"state": {"w": state}}}, checkpoint_id=directory, no_dist=True
+    )
+
+
+@pytest.mark.parametrize("method", ["normuon", "namo"])
+def test_per_partition_second_moments_at_another_tp_size_are_refused_naming_both(
+    tmp_path: Path, method: str
+) -> None:
+    from megatron_muon.integrations.checkpoint_optimizer_kind import tensor_parallel_refusal
+
+    _adaptive_muon_checkpoint(tmp_path, method, tp=2)
+    saved = STATE["adaptive_muon"]
+    at_1 = argparse.Namespace(load="ckpts", tensor_model_parallel_size=1)
+    refusal = tensor_parallel_refusal(at_1, str(tmp_path), saved)
+    assert refusal is not None
+    assert f"adaptive_muon {method} second moments of --tensor-model-parallel-size 2" in refusal
+    assert "this run has --tensor-model-parallel-size 1" in refusal
+    at_2 = argparse.Namespace(load="ckpts", tensor_model_parallel_size=2)
+    assert tensor_parallel_refusal(at_2, str(tmp_path), saved) is None
+
+
+def test_elementwise_second_moments_load_at_any_tp_size(tmp_path: Path) -> None:
+    from megatron_muon.integrations.checkpoint_optimizer_kind import tensor_parallel_refusal
+
+    _adaptive_muon_checkpoint(tmp_path, "adamuon", tp=2)
+    at_1 = argparse.Namespace(load="ckpts", tensor_model_parallel_size=1)
+    assert tensor_parallel_refusal(at_1, str(tmp_path), STATE["adaptive_muon"]) is None

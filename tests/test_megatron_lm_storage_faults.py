@@ -10,7 +10,13 @@ optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
 2. a run with ``--load`` of that directory resumes from iteration 4 and repeats iterations 5 to 8
    exactly (the same grad norms at full precision, the same losses as printed);
 3. ``--load`` of a copy of iteration 4 with one bit flipped in a data file: every rank refuses it,
-   naming the file, before training (stock Megatron loaded it silently).
+   naming the file, before training (stock Megatron loaded it silently);
+4. ``--load`` of a copy whose ``.metadata`` is a pickle that runs ``touch`` (and whose ``args`` is
+   one too), ``megatron_muon_files.json`` rewritten to match as an attacker would
+   (``tests/crafted_pickles.py``): every rank refuses it naming the file and the global, and the
+   command never ran (stock: it ran); ``integrations.checkpoint_pickles``;
+5. ``--load --ckpt-trust-pickles`` of a copy whose ``args`` holds a user's type outside the
+   allowlist (refused without the flag, below) resumes: iterations 5 to 8 repeat bitwise.
 
 The other refusals of a load (a truncated data file in a checkpoint saved without the hashes, a
 truncated ``.metadata``, an empty tracker, a save that never finished) call the same check that
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,6 +38,7 @@ from typing import Any
 import pytest
 
 from megatron_muon.testing import run_on_ranks
+from tests.crafted_pickles import Payload, TrainerNote, replace_item, replace_metadata
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,14 +75,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     listing = sorted(os.listdir(save))
     tracker = (save / TRACKER).read_text()
     copies = {}
-    for case in ("bit_flip", "truncated", "metadata", "empty_tracker", "unfinished"):
+    for case in (
+        "bit_flip",
+        "truncated",
+        "metadata",
+        "empty_tracker",
+        "unfinished",
+        *_PICKLE_CASES,
+    ):
         copies[case] = root / case
         shutil.copytree(save / SAVED, copies[case] / SAVED)
         (copies[case] / TRACKER).write_text(str(SAVE_INTERVAL))
+    markers = _craft_pickles(copies, root)
     resumed = run_megatron([*FLAGS, "--load", str(save), "--save", str(save), "--no-load-rng"])
     _flip_one_byte(copies["bit_flip"] / SAVED / "__0_0.distcp")
     refused = run_megatron(
         [*FLAGS, "--load", str(copies["bit_flip"]), "--no-load-rng"], check=False
+    )
+    unsafe = run_megatron([*FLAGS, "--load", str(copies["payload"]), "--no-load-rng"], check=False)
+    trusted = run_megatron(
+        [*FLAGS, "--load", str(copies["note"]), "--no-load-rng", "--ckpt-trust-pickles"]
     )
     return {
         "full": full,
@@ -84,7 +104,45 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "resumed": resumed,
         "refused": refused,
         "copies": copies,
+        "unsafe": unsafe,
+        "trusted": trusted,
+        "markers": markers,
     }
+
+
+_PICKLE_CASES = ("payload", "payload_args", "note")
+NOTE = TrainerNote("from the colleague's run")
+
+
+def _craft_pickles(copies: dict[str, Path], root: Path) -> dict[str, str]:
+    """4. and 5. of the module docstring; returns the payloads' marker files."""
+    import torch
+
+    markers = {case: str(root / f"{case}.ran") for case in ("payload", "payload_args")}
+    listing = "megatron_muon_files.json"
+    replace_item(
+        str(copies["payload"] / SAVED), listing, "args", Payload(markers["payload"]), False
+    )
+    replace_metadata(str(copies["payload"] / SAVED), listing, Payload(markers["payload"]))
+    directory = str(copies["payload_args"] / SAVED)
+    replace_item(directory, listing, "args", Payload(markers["payload_args"]), False)
+    args = _saved_args(copies["note"] / SAVED, torch)
+    args.note = NOTE
+    replace_item(str(copies["note"] / SAVED), listing, "args", args, False)
+    return markers
+
+
+def _saved_args(directory: Path, torch: Any) -> argparse.Namespace:
+    import pickle
+
+    with open(directory / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)  # the test's own save
+    ((index, info),) = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == "args"]
+    with open(directory / info.relative_path, "rb") as handle:
+        handle.seek(info.offset)
+        import io
+
+        return torch.load(io.BytesIO(handle.read(info.length)), weights_only=False)
 
 
 @pytest.mark.multirank
@@ -146,6 +204,46 @@ def test_a_flipped_bit_is_refused_on_every_rank_naming_the_file(runs: dict[str, 
     )
     for rank, output in refused.rank_outputs.items():
         assert error in output, f"rank {rank}:\n{output[-3000:]}"
+
+
+@pytest.mark.multirank
+def test_a_pickle_naming_another_global_is_refused_on_every_rank_and_never_runs(
+    runs: dict[str, Any],
+) -> None:
+    unsafe: MegatronRun = runs["unsafe"]
+    assert unsafe.returncode != 0
+    assert unsafe.iterations == {}
+    metadata = runs["copies"]["payload"] / SAVED / ".metadata"
+    error = f"UnsafeCheckpointError: {metadata}: refused to unpickle the global posix.system"
+    for rank, output in unsafe.rank_outputs.items():
+        assert error in output, f"rank {rank}:\n{output[-3000:]}"
+        assert "--ckpt-trust-pickles" in output
+    # The same check on args (a value DCP stores whole) and on a user's type, in this process
+    # (without a process group each call raises its own error; the launch above showed every rank).
+    from megatron_muon.checkpointing import UnsafeCheckpointError
+    from megatron_muon.integrations.checkpoint_pickles import check_checkpoint_pickles
+
+    for case, where, name in (
+        ("payload_args", "(item args)", "posix.system"),
+        ("note", "(item args)", "tests.crafted_pickles.TrainerNote"),
+    ):
+        load = SimpleNamespace(load=str(runs["copies"][case]), ckpt_step=None)
+        with pytest.raises(UnsafeCheckpointError, match=f"refused to unpickle the global {name}"):
+            check_checkpoint_pickles(load)
+        with pytest.raises(UnsafeCheckpointError, match=re.escape(where)):
+            check_checkpoint_pickles(load)
+    for case, marker in runs["markers"].items():
+        assert not os.path.exists(marker), f"the payload of {case} ran"
+
+
+@pytest.mark.multirank
+def test_with_ckpt_trust_pickles_a_checkpoint_holding_other_types_resumes_bitwise(
+    runs: dict[str, Any],
+) -> None:
+    full, trusted = runs["full"], runs["trusted"]
+    assert sorted(trusted.iterations) == list(range(SAVE_INTERVAL + 1, TRAIN_ITERS + 1))
+    repeated = FULL_AT - SAVE_INTERVAL
+    assert trusted.grad_norms[:repeated] == full.grad_norms[SAVE_INTERVAL:FULL_AT]
 
 
 # --------------------------------------------------------------------------------------------------

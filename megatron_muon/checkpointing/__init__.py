@@ -22,6 +22,8 @@ Modules, one concept each:
 - ``row_chunks``: DCP chunk metadata of Megatron-FSDP's uneven and empty row shards;
 - ``manifest``: model and optimizer in words, compared at a load;
 - ``files``: the completion marker, whole-or-refused saves, file verification at a load;
+- ``safe_unpickle``: the one allowlist of what a checkpoint may unpickle, and the restricted
+  readers (a checkpoint from elsewhere runs no code when loaded);
 - ``rng``: each rank's RNG states;
 - ``ranks``, ``errors``: every rank raises the same error before any collective.
 
@@ -45,6 +47,7 @@ from megatron_muon.checkpointing.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     IncompleteCheckpointError,
+    UnsafeCheckpointError,
 )
 from megatron_muon.checkpointing.files import INCOMPLETE_SUFFIX, MARKER_NAME
 from megatron_muon.checkpointing.fsdp_dtensor import named_optimizer_params
@@ -64,6 +67,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "LoadedCheckpoint",
+    "UnsafeCheckpointError",
     "SavedCheckpoint",
     "ensure_optimizer_state",
     "leaf_optimizers",

@@ -7,6 +7,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -24,3 +25,8 @@ class IncompleteCheckpointError(CheckpointError):
 
 class CheckpointMismatchError(CheckpointError, ValueError):
     """Saved from a different model or optimizer; the message names what differs."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle in the checkpoint names a global outside the allowlist of
+    ``checkpointing.safe_unpickle``; nothing of it ran. The message names the file and global."""

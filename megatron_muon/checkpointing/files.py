@@ -49,6 +49,7 @@ from megatron_muon.checkpointing.errors import (
     IncompleteCheckpointError,
 )
 from megatron_muon.checkpointing.ranks import agree
+from megatron_muon.checkpointing.safe_unpickle import METADATA_NAME, read_metadata
 
 __all__ = [
     "FORMAT",
@@ -71,7 +72,6 @@ FORMAT = "megatron_muon.fsdp_dtensor"
 FORMAT_VERSION = 2  # 2: the marker's files carry SHA-256 and follow DCP's metadata
 UNHASHED_VERSION = 1  # 1: the marker's files carry sizes only (name -> bytes); loaded unhashed
 MARKER_NAME = "megatron_muon_checkpoint.json"
-METADATA_NAME = ".metadata"
 INCOMPLETE_SUFFIX = ".incomplete"
 REPLACED_SUFFIX = ".replaced"
 _TOKEN_PREFIX = ".megatron_muon_save_"
@@ -112,11 +112,10 @@ def _sha256(file: str) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-def _referenced_files(directory: str) -> list[str]:
-    """``.metadata`` and every data file it references, sorted."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(directory).read_metadata()
+def _referenced_files(directory: str, trust_pickles: bool = False) -> list[str]:
+    """``.metadata`` (read restricted: ``safe_unpickle``) and every data file it references,
+    sorted."""
+    metadata = read_metadata(directory, trust_pickles=trust_pickles)
     names = {info.relative_path for info in (metadata.storage_data or {}).values()}
     return sorted(names | {METADATA_NAME})
 
@@ -291,13 +290,14 @@ def hashes_recorded(manifest: dict[str, Any]) -> bool:
     return manifest["version"] == FORMAT_VERSION
 
 
-def verify(path: str, manifest: dict[str, Any]) -> None:
+def verify(path: str, manifest: dict[str, Any], *, trust_pickles: bool = False) -> None:
     """Every file of checkpoint ``path`` is there, whole and unaltered. Reads no state.
 
     Every rank checks sizes and ``.metadata``'s hash, then every file ``.metadata`` references is
     listed in the marker; each rank hashes its share of the data files. Collective only through
     the caller's ``agree``. A version 1 marker (``read_marker``'s ``manifest``) has no hashes:
-    sizes and the listing are checked, nothing is hashed.
+    sizes and the listing are checked, nothing is hashed. ``.metadata`` is read restricted
+    (``safe_unpickle``) unless ``trust_pickles``.
     """
     files = manifest["files"]
     hashed = hashes_recorded(manifest)
@@ -307,7 +307,7 @@ def verify(path: str, manifest: dict[str, Any]) -> None:
         raise IncompleteCheckpointError(f"checkpoint {path}: its marker does not list .metadata")
     if hashed:
         _check_hash(path, METADATA_NAME, files[METADATA_NAME]["sha256"])
-    referenced = _referenced_files(path)
+    referenced = _referenced_files(path, trust_pickles)
     unlisted = [name for name in referenced if name not in files]
     if unlisted:
         raise IncompleteCheckpointError(

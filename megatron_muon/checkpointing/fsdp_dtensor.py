@@ -10,7 +10,8 @@ under ``no_shard``):
   ``step`` (Adam, AdamW);
 - ``common.param_groups`` (hyperparameters, params by name), ``common.scheduler``,
   ``common.iteration``, ``common.extra`` (written once, by rank 0) and ``common.rng.rank<r>`` (each
-  rank's RNG states), pickled whole (``to_bytes``).
+  rank's RNG states), pickled whole (``to_bytes``) and read back restricted (``from_bytes``:
+  ``safe_unpickle``).
 
 Names are the model chunk's own parameter names, as Megatron's ``get_global_unique_param_name``
 gives them when pipeline- and expert-parallel sizes are 1.
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from megatron_muon.checkpointing.optimizer_state import leaf_optimizers
+from megatron_muon.checkpointing.safe_unpickle import load_pickled
 from megatron_muon.common.megatron_fsdp_compat import unwrap_megatron_fsdp
 
 __all__ = [
@@ -167,9 +169,10 @@ def to_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def from_bytes(data: bytes) -> Any:
-    """What ``to_bytes`` pickled."""
-    return torch.load(io.BytesIO(data), weights_only=False)
+def from_bytes(data: bytes, where: str, *, trust_pickles: bool = False) -> Any:
+    """What ``to_bytes`` pickled, read restricted (``safe_unpickle.load_pickled``: ``where``
+    names it in a refusal) unless ``trust_pickles``."""
+    return load_pickled(data, where, trust_pickles=trust_pickles)
 
 
 def param_groups_by_name(inventory: Inventory) -> list[list[dict[str, Any]]]:

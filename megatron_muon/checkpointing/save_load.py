@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from megatron_muon.checkpointing import files, fsdp_dtensor, rng
+from megatron_muon.checkpointing import files, fsdp_dtensor, rng, safe_unpickle
 from megatron_muon.checkpointing.errors import CheckpointError
 from megatron_muon.checkpointing.files import INCOMPLETE_SUFFIX
 from megatron_muon.checkpointing.fsdp_dtensor import (
@@ -175,6 +175,7 @@ def load_checkpoint(
     scheduler: Any = None,
     *,
     load_rng: bool = True,
+    trust_pickles: bool = False,
 ) -> LoadedCheckpoint:
     """Loads a checkpoint of ``save_checkpoint`` into the live model and optimizer, in place.
 
@@ -185,6 +186,13 @@ def load_checkpoint(
     ``CheckpointError`` and nothing is changed. Afterwards the main weights are installed into
     Megatron-FSDP's compute weights (as after an optimizer step), param-group hyperparameters and
     the scheduler are restored, and, when the world size is unchanged and ``load_rng``, the RNGs.
+
+    Every pickle of the checkpoint (DCP's ``.metadata``, the scheduler, param groups, RNG states,
+    ``extra``) is read by a restricted unpickler that admits only the types such checkpoints hold
+    (``safe_unpickle.allowed_globals``), checked on every rank before anything loads: a pickle
+    naming another global is refused, naming the file and the global, and nothing of it runs.
+    ``trust_pickles=True`` reads them unrestricted, for a checkpoint you trust whose ``extra``
+    holds your own types: unpickling can run any code the checkpoint's writer chose.
 
     The checks cover every failure known before reading (missing, incomplete, mismatched); an I/O
     error during DCP's read itself (disk failure) raises on all ranks but may leave tensors partly
@@ -200,6 +208,8 @@ def load_checkpoint(
             truncated or altered (SHA-256; a format version 1 checkpoint, saved before hashes
             were recorded, loads with sizes checked only, which rank 0 prints).
         CheckpointMismatchError: saved from a different model or optimizer (the message names it).
+        UnsafeCheckpointError: a pickle of the checkpoint names a global outside the allowlist
+            (file and global named); not with ``trust_pickles``.
         CheckpointError: the ranks passed different paths or hold different params.
     """
     start = time.perf_counter()
@@ -212,11 +222,17 @@ def load_checkpoint(
         inventory = fsdp_dtensor.inventory(chunks, optimizer)
         manifest = files.read_marker(path)
         check_matches(path, manifest, inventory, scheduler)
-        files.verify(path, manifest)
+        files.verify(path, manifest, trust_pickles=trust_pickles)
     except Exception as caught:  # noqa: BLE001 - every rank must learn of it before a collective
         error = caught
     agree_on_ranks(error, path, [] if inventory is None else inventory.names())
     assert inventory is not None
+    if not trust_pickles:  # after verify's agree: each rank hashed only its share of the files
+        try:
+            safe_unpickle.check_pickles(path)
+        except Exception as caught:  # noqa: BLE001 - every rank must learn of it
+            error = caught
+        agree(error)
     if not files.hashes_recorded(manifest):
         print_rank_0(
             f"megatron-muon: checkpoint {path} is format version {manifest['version']} (saved "
@@ -244,10 +260,20 @@ def load_checkpoint(
     state_dict = dcp_state_dict(inventory)
     state_dict["common"] = common
     attach_row_chunks(inventory.params, state_dict["optimizer"]["state"])
-    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+    if trust_pickles:
+        dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+    else:
+        dcp.load(
+            state_dict,
+            storage_reader=safe_unpickle.RestrictedFileSystemReader(path),
+            planner=safe_unpickle.RestrictedLoadPlanner(),
+        )
     _restore_state_objects(inventory, state_dict["optimizer"]["state"])
 
-    loaded = {key: from_bytes(value) for key, value in state_dict["common"].items()}
+    loaded = {
+        key: from_bytes(value, f"{path} (common.{key})", trust_pickles=trust_pickles)
+        for key, value in state_dict["common"].items()
+    }
     restore_param_groups(inventory, loaded["param_groups"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["scheduler"])

@@ -16,6 +16,10 @@ returns it). It adds
   Megatron's own parser (``megatron.training.arguments``) they already exist and are left alone, so
   the same function serves Megatron-LM's loop and a parser of our own.
 
+- ``--ckpt-trust-pickles`` (``load_checkpoint(..., trust_pickles=True)`` in Megatron-LM's
+  loop): the one opt-out of the restricted unpickling of checkpoints
+  (``megatron_muon.integrations.checkpoint_pickles``).
+
 Parsed flags become configs here: ``fsdp_config_from_args(args)`` (a ``MuonFsdpConfig``, what
 ``ShardedMuon`` takes) and ``qk_clip_config_from_args(args)`` (a ``QKClipConfig`` or None, what
 the factory builds QK-clip from). ``check_muon_args(args)`` checks the values of these flags and of
@@ -125,6 +129,15 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for field in _FSDP_FLAGS:
         if not _has_option(parser, _option(field)):  # Megatron-LM main has --muon-use-syrk
             group.add_argument(_option(field), **_fsdp_flag_kwargs(field))
+    if not _has_option(parser, "--ckpt-trust-pickles"):
+        group.add_argument(
+            "--ckpt-trust-pickles",
+            action="store_true",
+            help="--load reads the checkpoint's pickles unrestricted: for a checkpoint you trust "
+            "whose pickles hold types outside megatron-muon's allowlist (unpickling can run any "
+            "code its writer chose). Default: every pickle of an fsdp_dtensor checkpoint is read "
+            "by a restricted unpickler and another type is refused, naming the file and the type.",
+        )
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
         group.add_argument(

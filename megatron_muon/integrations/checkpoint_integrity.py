@@ -28,7 +28,8 @@ the table.
    ``.metadata`` that reads; with ``FILES_NAME``, every file has its size and SHA-256
    (``checkpointing.files.verify``); without it (saved without ``install()``, or stopped between
    Megatron's tracker and the listing), every file ``.metadata`` references holds the bytes it
-   references. Every rank raises the same ``IncompleteCheckpointError`` naming the file
+   references (``.metadata`` read by ``checkpointing.safe_unpickle``'s restricted unpickler:
+   ``checkpoint_pickles``). Every rank raises the same ``IncompleteCheckpointError`` naming the file
    (``checkpointing.ranks.agree``). Stock: a truncated data file stopped the ranks with a bare
    ``EOFError``, a truncated ``.metadata`` with "pickle data was truncated", neither naming the
    file, and a flipped bit in a data file loaded silently.
@@ -55,6 +56,8 @@ import torch.distributed as dist
 from megatron_muon.checkpointing import CheckpointError, IncompleteCheckpointError
 from megatron_muon.checkpointing import files as checkpoint_files
 from megatron_muon.checkpointing.ranks import agree
+from megatron_muon.checkpointing.safe_unpickle import read_metadata
+from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
 from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 from megatron_muon.integrations.megatron_lm_arguments import muon_meets_megatron_fsdp
 
@@ -238,7 +241,7 @@ def check_checkpoint_files(args: Any) -> None:
     try:
         directory = _directory_to_load(args)
         if directory is not None:
-            _check_directory(directory)
+            _check_directory(directory, trusts_pickles(args))
     except Exception as caught:  # noqa: BLE001 - any error on one rank must reach every rank
         error = caught
     agree(error)
@@ -262,7 +265,7 @@ def _iteration_directories(load: str) -> list[str]:
     return sorted(name for name in os.listdir(load) if name.startswith("iter_"))
 
 
-def _check_directory(directory: str) -> None:
+def _check_directory(directory: str, trust_pickles: bool) -> None:
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"checkpoint {directory}, named by --load, does not exist")
     metadata = os.path.join(directory, checkpoint_files.METADATA_NAME)
@@ -273,9 +276,9 @@ def _check_directory(directory: str) -> None:
         )
     listing = os.path.join(directory, FILES_NAME)
     if os.path.isfile(listing):
-        checkpoint_files.verify(directory, _read_listing(listing))
+        checkpoint_files.verify(directory, _read_listing(listing), trust_pickles=trust_pickles)
     else:
-        _check_referenced_sizes(directory)
+        _check_referenced_sizes(directory, trust_pickles)
 
 
 def _read_listing(listing: str) -> dict[str, Any]:
@@ -291,12 +294,11 @@ def _read_listing(listing: str) -> dict[str, Any]:
     return {"version": checkpoint_files.FORMAT_VERSION, "files": files}
 
 
-def _check_referenced_sizes(directory: str) -> None:
-    """Without hashes: ``.metadata`` reads, and each file it references holds what it references."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def _check_referenced_sizes(directory: str, trust_pickles: bool) -> None:
+    """Without hashes: ``.metadata`` reads (restricted: ``safe_unpickle``), and each file it
+    references holds what it references."""
     try:
-        storage = FileSystemReader(directory).read_metadata().storage_data or {}
+        storage = read_metadata(directory, trust_pickles=trust_pickles).storage_data or {}
     except (pickle.UnpicklingError, EOFError, ValueError, AttributeError) as caught:
         raise IncompleteCheckpointError(
             f"checkpoint {directory} is damaged: its {checkpoint_files.METADATA_NAME} does not "

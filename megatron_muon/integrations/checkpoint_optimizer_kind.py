@@ -7,6 +7,13 @@ the optimizer state keys in the checkpoint's DCP metadata with this run's and ra
 ``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
 ``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
 
+adaptive_muon's normuon and namo second moments are per tensor-parallel partition
+(``optimizers.moment2_partitions``: each partition's row or column statistics, stacked): a
+checkpoint of them saved at another ``--tensor-model-parallel-size`` (read from the ``args``
+Megatron stores in it) is refused naming both TP sizes (``tensor_parallel_refusal``), where DCP
+would stop with a shape mismatch or, where the stacked shapes happen to agree, load statistics of
+other partitions.
+
 Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
 """
 
@@ -21,6 +28,8 @@ from megatron_muon.checkpointing import (
     IncompleteCheckpointError,
     leaf_optimizers,
 )
+from megatron_muon.checkpointing.safe_unpickle import load_item
+from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
 from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
 __all__ = [
@@ -28,7 +37,10 @@ __all__ = [
     "checking_optimizer_state_first",
     "optimizer_of_state",
     "state_kinds_refusal",
+    "tensor_parallel_refusal",
 ]
+
+_PER_PARTITION_MOMENT2 = ("normuon", "namo")
 
 _OPTIMIZER_PREFIX = "optimizer.state."
 
@@ -123,15 +135,36 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
     directory = checkpoint_directory(args)
     if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
         return  # Megatron's own load reports a missing checkpoint
+    saved = _saved_state_kinds(directory)
     refusal = state_kinds_refusal(
-        _saved_state_kinds(directory),
-        _run_state_kinds(optimizer),
-        args.optimizer,
-        args.load,
-        directory,
-    )
+        saved, _run_state_kinds(optimizer), args.optimizer, args.load, directory
+    ) or tensor_parallel_refusal(args, directory, saved)
     if refusal is not None:
         raise CheckpointMismatchError(refusal)
+
+
+def tensor_parallel_refusal(args: Any, directory: str, saved: list[set[str]]) -> str | None:
+    """Why checkpoint ``directory``'s adaptive_muon normuon / namo second moments (one per TP
+    partition) cannot load at this run's ``--tensor-model-parallel-size``. None: they can, or
+    the checkpoint holds none (``saved``: its state keys per param)."""
+    if optimizer_of_state(saved) != "adaptive_muon":
+        return None
+    try:
+        saved_args = load_item(directory, "args", trust_pickles=trusts_pickles(args))
+    except KeyError:
+        return None
+    method = getattr(saved_args, "adaptive_muon_moment2_method", None)
+    saved_tp = getattr(saved_args, "tensor_model_parallel_size", None)
+    mine = getattr(args, "tensor_model_parallel_size", 1)
+    if method not in _PER_PARTITION_MOMENT2 or saved_tp is None or saved_tp == mine:
+        return None
+    return (
+        f"--load {args.load}: checkpoint {directory} holds adaptive_muon {method} second moments "
+        f"of --tensor-model-parallel-size {saved_tp} (one per TP partition: each partition's own "
+        f"statistics), this run has --tensor-model-parallel-size {mine}: they do not convert. "
+        f"Load it at --tensor-model-parallel-size {saved_tp}, or pass --no-load-optim to load "
+        "the weights alone"
+    )
 
 
 def checking_optimizer_state_first(load_checkpoint: Any) -> Any:

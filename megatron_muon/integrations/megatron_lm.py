@@ -77,7 +77,12 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    fails (a full disk) stops every rank with one error naming the directory and the cause and
    removes the half-written directory; a finished save records each file's SHA-256; ``--load``
    refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
-   anything loads. ``--async-save`` is refused in ``validate_args`` (2.).
+   anything loads. ``--async-save`` is refused in ``validate_args`` (2.). Then, any optimizer
+   (``checkpoint_pickles``): every pickle of an ``fsdp_dtensor`` checkpoint (``.metadata``,
+   ``args``, RNG and scheduler values) is read by a restricted unpickler on every rank, and one
+   naming a global outside ``checkpointing.safe_unpickle``'s allowlist is refused naming the file
+   and the global before any of it runs (stock: a crafted ``.metadata`` ran its code at
+   ``--load``); ``--ckpt-trust-pickles`` opts out.
 10. ``megatron.training.initialize._initialize_distributed``: under ``torchrun --max-restarts``,
    each attempt's process group on a store prefix of its own (``restart_store``: without it the
    restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
@@ -128,6 +133,7 @@ from megatron_muon.integrations import (
     stock_lion,
 )
 from megatron_muon.integrations.checkpoint_optimizer_kind import checking_optimizer_state_first
+from megatron_muon.integrations.checkpoint_pickles import refusing_unsafe_pickles
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
@@ -192,6 +198,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
     training.load_checkpoint = checking_optimizer_state_first(training.load_checkpoint)
+    training.load_checkpoint = refusing_unsafe_pickles(training.load_checkpoint)
     training.load_checkpoint = checkpoint_integrity.verifying_files_first(training.load_checkpoint)
     training.save_checkpoint = checkpoint_integrity.saving_whole_or_refused(
         training.save_checkpoint

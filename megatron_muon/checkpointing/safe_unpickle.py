@@ -1,0 +1,295 @@
+"""What a checkpoint may unpickle: the one allowlist, and the readers that hold to it.
+
+A checkpoint directory holds pickles: DCP's ``.metadata`` (read by torch 2.13's
+``FileSystemReader.read_metadata`` with plain ``pickle.load``) and every non-tensor value DCP
+stores whole (``BytesStorageMetadata`` items in the ``.distcp`` files: Megatron's ``args``,
+``rng_state``, scheduler and param-group values; our ``common.*`` small objects, which are
+``torch.save`` bytes of their own), which ``DefaultLoadPlanner.load_bytes`` reads with
+``torch.load(weights_only=False)``. Unpickling runs whatever callable a pickle names, so a
+checkpoint from elsewhere (shared storage, a download) could run code when loaded; the SHA-256
+listings of each save detect accidents, not an attacker, who rewrites them too.
+
+Here every such pickle is read by a restricted unpickler admitting only ``allowed_globals()``:
+what our saves and Megatron-LM's ``fsdp_dtensor`` saves write (DCP's metadata classes,
+``torch.Size``, dtypes, containers, numbers, strings, NumPy's RNG arrays, ``argparse.Namespace``
+and megatron-core's enums of Megatron's ``args``). Any other global raises
+``UnsafeCheckpointError`` naming the file and the global, from ``find_class`` (or torch's
+``weights_only`` unpickler, torch's own mechanism for the same), before that global is looked
+up: nothing of the pickle runs.
+
+- ``read_metadata(directory)``: ``.metadata``, restricted (``pickle.Unpickler.find_class``);
+- ``load_pickled(data, where)``: a ``torch.save`` blob, restricted (``torch.load(weights_only=
+  True)`` under ``torch.serialization.safe_globals``);
+- ``check_pickles(directory)``: every pickle a load of ``directory`` would read, read restricted
+  now (callers run it on every rank and ``agree`` before DCP's collectives start);
+- ``RestrictedFileSystemReader`` / ``RestrictedLoadPlanner``: DCP's reader and planner reading
+  restricted during the load itself (a file swapped after ``check_pickles`` is refused too).
+
+``trust_pickles=True`` (``load_checkpoint``'s keyword; Megatron-LM's ``--ckpt-trust-pickles``)
+is the one way around it: for a checkpoint the caller trusts whose ``extra`` holds other types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import functools
+import io
+import os
+import pathlib
+import pickle
+import signal
+import types
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from megatron_muon.checkpointing.errors import UnsafeCheckpointError
+
+__all__ = [
+    "METADATA_NAME",
+    "RestrictedFileSystemReader",
+    "RestrictedLoadPlanner",
+    "allowed_globals",
+    "check_pickles",
+    "load_item",
+    "load_pickled",
+    "read_metadata",
+]
+
+METADATA_NAME = ".metadata"
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format: our common.* values are such bytes
+
+
+def _megatron_enums() -> list[type]:
+    """megatron-core's enums (Megatron-LM's ``args`` holds some: ``AttnBackend``, ...)."""
+    found: list[type] = []
+    for module_name in ("megatron.core.enums", "megatron.core.transformer.enums"):
+        try:
+            module = __import__(module_name, fromlist=["_"])
+        except ImportError:  # pragma: no cover - megatron-core is a dependency
+            continue
+        found.extend(
+            v for v in vars(module).values() if isinstance(v, type) and issubclass(v, enum.Enum)
+        )
+    return found
+
+
+def _numpy_globals() -> dict[str, Any]:
+    """NumPy's RNG state (a uint32 array): ``numpy.random.get_state()`` in our and Megatron's
+    RNG states. The reconstructor under its NumPy 2 and NumPy 1 names."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover
+        return {}
+    reconstruct = numpy.ndarray.__reduce__(numpy.zeros(1))[0]
+    return {
+        "numpy._core.multiarray._reconstruct": reconstruct,
+        "numpy.core.multiarray._reconstruct": reconstruct,
+        "numpy.ndarray": numpy.ndarray,
+        "numpy.dtype": numpy.dtype,
+    }
+
+
+@functools.cache
+def allowed_globals() -> dict[str, Any]:
+    """Pickle global name (``module.qualname``) -> the object, for every global a checkpoint of
+    ``megatron_muon.checkpointing`` or of Megatron-LM's ``fsdp_dtensor`` format holds."""
+    allowed: dict[str, Any] = {}
+    dcp_types = [
+        dcp_metadata.Metadata,
+        dcp_metadata.MetadataIndex,
+        dcp_metadata.StorageMeta,
+        dcp_metadata.TensorProperties,
+        dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.BytesStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata._MEM_FORMAT_ENCODING,
+        _StorageInfo,
+    ]
+    plain: list[Any] = [
+        *dcp_types,
+        torch.Size,
+        torch.device,
+        torch.serialization._get_layout,
+        pathlib.PosixPath,
+        pathlib.PurePosixPath,
+        argparse.Namespace,
+        types.SimpleNamespace,
+        signal.Signals,
+        *_megatron_enums(),
+    ]
+    for obj in plain:
+        allowed[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype):
+            allowed[str(value)] = value  # pickled as GLOBAL torch <name>
+    import collections
+
+    allowed["collections.OrderedDict"] = collections.OrderedDict
+    allowed.update(_numpy_globals())
+    return allowed
+
+
+def _refusal(where: str, name: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{where}: refused to unpickle the global {name}, which is not a type a checkpoint "
+        "holds (megatron_muon.checkpointing.safe_unpickle.allowed_globals); nothing of this "
+        "pickle ran. Unpickling a checkpoint from elsewhere can run any code: if you trust this "
+        "checkpoint and it holds your own types (in extra), load it with trust_pickles=True "
+        "(Megatron-LM: --ckpt-trust-pickles)"
+    )
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` admits ``allowed_globals()`` only."""
+
+    def __init__(self, file: Any, where: str) -> None:
+        super().__init__(file)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = allowed_globals().get(f"{module}.{name}")
+        if allowed is None:
+            raise _refusal(self._where, f"{module}.{name}")
+        return allowed
+
+
+def _load_metadata(stream: Any, where: str, trust_pickles: bool) -> Any:
+    if trust_pickles:
+        return pickle.load(stream)
+    return _RestrictedUnpickler(stream, where).load()
+
+
+def read_metadata(directory: str, *, trust_pickles: bool = False) -> dcp_metadata.Metadata:
+    """DCP's ``Metadata`` of ``directory``, read restricted (``allowed_globals``).
+
+    Raises:
+        UnsafeCheckpointError: ``.metadata`` names another global (the file and the global named).
+        OSError, pickle.UnpicklingError, EOFError: the file is missing or damaged.
+    """
+    file = os.path.join(directory, METADATA_NAME)
+    with open(file, "rb") as stream:
+        return _load_metadata(stream, file, trust_pickles)
+
+
+def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any:
+    """What ``torch.save`` wrote into ``data``, read restricted (``allowed_globals``).
+
+    First the pickle's globals are listed without running it
+    (``torch.serialization.get_unsafe_globals_in_checkpoint``), then it is read by torch's
+    ``weights_only`` unpickler admitting ``allowed_globals()`` besides torch's own.
+
+    Raises:
+        UnsafeCheckpointError: the pickle names another global (``where`` and the global named).
+    """
+    if trust_pickles:
+        return torch.load(io.BytesIO(data), weights_only=False)
+    safe: list[Any] = [(obj, name) for name, obj in allowed_globals().items()]
+    with torch.serialization.safe_globals(safe):
+        try:
+            unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+        except ValueError:  # not torch.save's zip format: torch.load below decides
+            unsafe = []
+        if unsafe:
+            raise _refusal(where, unsafe[0])
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpointError(
+                f"{where}: refused by torch's weights_only unpickler "
+                f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
+                "nothing of this pickle ran"
+            ) from None
+
+
+def _stored_bytes(directory: str, info: _StorageInfo) -> tuple[str, bytes]:
+    file = os.path.join(directory, info.relative_path)
+    with open(file, "rb") as stream:
+        stream.seek(info.offset)
+        return file, stream.read(info.length)
+
+
+def load_item(directory: str, key: str, *, trust_pickles: bool = False) -> Any:
+    """The value DCP stored whole under ``key`` in checkpoint ``directory`` (Megatron's
+    ``args``, ...), read restricted; ``KeyError`` if there is none (or it is stored
+    transformed)."""
+    metadata = read_metadata(directory, trust_pickles=trust_pickles)
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn == key and not info.transform_descriptors:
+            file, data = _stored_bytes(directory, info)
+            return load_pickled(data, f"{file} (item {key})", trust_pickles=trust_pickles)
+    raise KeyError(f"{directory} stores no {key}")
+
+
+def _check_value(data: bytes, where: str) -> None:
+    """``data`` and, when it unpickles to ``torch.save`` bytes (our ``common.*``), those too."""
+    value = load_pickled(data, where)
+    if isinstance(value, bytes) and value.startswith(_ZIP_MAGIC):
+        load_pickled(value, f"{where} (the object it pickles)")
+
+
+def check_pickles(directory: str) -> dcp_metadata.Metadata:
+    """Reads every pickle a load of DCP checkpoint ``directory`` would read, restricted:
+    ``.metadata`` and each value DCP stores whole (a ``BytesStorageMetadata`` item). Items whose
+    bytes DCP stored transformed (an extension's compression) are left to the load's own
+    restricted planner. Returns the metadata.
+
+    Raises:
+        UnsafeCheckpointError: a pickle names a global outside ``allowed_globals()``.
+    """
+    metadata = read_metadata(directory)
+    whole = {
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, dcp_metadata.BytesStorageMetadata)
+    }
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda i: i[0].fqn):
+        if index.fqn not in whole or info.transform_descriptors:
+            continue
+        file, data = _stored_bytes(directory, info)
+        _check_value(data, f"{file} (item {index.fqn})")
+    return metadata
+
+
+# --------------------------------------------------------------------------------------------------
+# DCP's reader and planner, restricted during the load itself
+# --------------------------------------------------------------------------------------------------
+
+_DCP_LOAD_BYTES = DefaultLoadPlanner.load_bytes
+
+
+def restricted_read_metadata(reader: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+    """``FileSystemReader.read_metadata`` of torch 2.13, reading through the restricted
+    unpickler (no ``super()``: ``megatron_muon.integrations`` sets it on the class itself)."""
+    path = reader._get_metadata_path(kwargs.get("rank"))
+    with reader.fs.create_stream(path, "rb") as stream:
+        metadata = _load_metadata(stream, str(path), trust_pickles=False)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = dcp_metadata.StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata
+
+
+def restricted_load_bytes(planner: DefaultLoadPlanner, read_item: Any, value: io.BytesIO) -> None:
+    """``DefaultLoadPlanner.load_bytes`` after ``value`` read restricted: DCP's own
+    ``torch.load(weights_only=False)`` then reads bytes already read whole by the restricted one
+    (in memory: the same bytes)."""
+    data = value.getvalue()
+    _check_value(data, f"checkpoint item {read_item.dest_index.fqn}")
+    _DCP_LOAD_BYTES(planner, read_item, io.BytesIO(data))
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` reading ``.metadata`` restricted."""
+
+    read_metadata = restricted_read_metadata
+
+
+class RestrictedLoadPlanner(DefaultLoadPlanner):
+    """DCP's ``DefaultLoadPlanner`` reading each value stored whole restricted."""
+
+    load_bytes = restricted_load_bytes
