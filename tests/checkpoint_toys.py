@@ -154,8 +154,9 @@ def local_snapshot(wrapped, optimizers) -> dict:
     for name, param in named:
         for optimizer in optimizers:
             if param in optimizer.state:
-                state[name] = {
-                    k: local_tensor(v).detach().clone() for k, v in optimizer.state[param].items()
+                state[name] = {  # a Python-int step (SOAP's, LaProp's) as it is
+                    k: local_tensor(v).detach().clone() if torch.is_tensor(v) else v
+                    for k, v in optimizer.state[param].items()
                 }
     return {
         "params": {n: local_tensor(p).detach().clone() for n, p in named},
@@ -176,6 +177,8 @@ def full_snapshot(wrapped, optimizers) -> dict:
 
     def full(tensor: torch.Tensor, layout) -> torch.Tensor:
         # 0-d (Adam's step) or a plain replicated tensor (normuon's / namo's second moment).
+        if not torch.is_tensor(tensor):  # a Python-int step (SOAP's, LaProp's)
+            return tensor
         if tensor.ndim == 0 or not isinstance(tensor, DTensor):
             return tensor.detach().clone()
         pieces: list = [None] * dist.get_world_size()
@@ -250,7 +253,9 @@ def assert_bitwise_equal(expected: dict, actual: dict, where: str) -> None:
         assert torch.equal(tensor, actual["params"][name]), f"{where}: param {name}"
     for name, state in expected["state"].items():
         for key, tensor in state.items():
-            assert torch.equal(tensor, actual["state"][name][key]), f"{where}: {name}.{key}"
+            got = actual["state"][name][key]
+            same = torch.equal(tensor, got) if torch.is_tensor(tensor) else tensor == got
+            assert same, f"{where}: {name}.{key}"
 
 
 def _try_loads(rank, world_size, paths, hidden=48, save_all_adam_to=None) -> list[dict]:

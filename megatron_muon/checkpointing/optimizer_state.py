@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.checkpointing.ranks import collective_device
+from megatron_muon.optimizers.laprop import ShardedLaProp
 from megatron_muon.optimizers.muon import ShardedMuon
+from megatron_muon.optimizers.oblique import ShardedObliqueAdam, ShardedObliqueSGD
 from megatron_muon.optimizers.soap_matrix import STATE_KEYS
 
 __all__ = [
@@ -71,6 +73,10 @@ def _emerging_optimizer_classes() -> tuple[type[Any], type[Any], type[Any]]:
     return OrthogonalizedOptimizer, Lion, SOAP
 
 
+# Optimizers that name their state (``state_keys``) and create it with ``_init_group``.
+_NAMING_THEIR_STATE = (ShardedLaProp, ShardedObliqueSGD, ShardedObliqueAdam)
+
+
 def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
     from emerging_optimizers.orthogonalized_optimizers import AdaptiveMuon
 
@@ -80,6 +86,8 @@ def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
 def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """State keys every param of ``group`` holds once the optimizer has state for it."""
     orthogonalized, lion, soap = _emerging_optimizer_classes()
+    if isinstance(optimizer, _NAMING_THEIR_STATE):
+        return optimizer.state_keys
     if isinstance(optimizer, soap):  # SOAP, ShardedSOAP (whose tensors live on each owner)
         return STATE_KEYS
     if _is_adaptive_muon(optimizer):  # AdaptiveMuon, megatron-core's, ShardedAdaptiveMuon
@@ -101,7 +109,8 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon, Lion and SOAP of
     emerging-optimizers, ``ShardedMuon``, ``ShardedSOAP``, torch ``Adam``/``AdamW``)."""
-    return isinstance(optimizer, (torch.optim.Adam, *_emerging_optimizer_classes()))
+    classes = (torch.optim.Adam, *_emerging_optimizer_classes(), *_NAMING_THEIR_STATE)
+    return isinstance(optimizer, classes)
 
 
 @torch.no_grad()
@@ -131,8 +140,8 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _create_param_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
     """The state ``optimizer`` creates lazily on its first step, created now (zeros, step 0)."""
-    if isinstance(optimizer, _emerging_optimizer_classes()):
-        # emerging_optimizers' own lazy init, for params without a grad too.
+    if isinstance(optimizer, (*_emerging_optimizer_classes(), *_NAMING_THEIR_STATE)):
+        # emerging_optimizers' own lazy init (or ours, alike), for params without a grad too.
         optimizer._init_group(group, skip_non_grad_params=False)
         return
     # torch.optim.Adam._init_group, without taking a step: ``step`` is fp32 when fused, else

@@ -20,6 +20,7 @@ __all__ = [
     "MegatronOptimizerT",
     "MuonScaleT",
     "OrthogonalizedOptimizerT",
+    "RowwiseOptimizerT",
     "ScalarOptimizerT",
     "TpModeT",
     "check_choice",
@@ -43,8 +44,11 @@ MegatronMatmulPrecT = Literal["low", "medium", "high"]
 # The --optimizer values our copy of Megatron-LM's flag offers (megatron-core 0.19.2 lists more).
 MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
-# (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp).
-FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap"]
+# (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp and
+# widens Megatron-LM's --optimizer choices to them). ``RowwiseOptimizerT``: those whose step runs
+# on each rank's rows (``fsdp.rowwise_optimizers``).
+RowwiseOptimizerT = Literal["laprop", "oblique_sgd", "oblique_adam"]
+FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap", RowwiseOptimizerT]
 # The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
 # megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
 # trainer (``optimizers.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.

@@ -50,6 +50,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
@@ -61,6 +62,7 @@ __all__ = [
     "check_muon_args",
     "fsdp_config_from_args",
     "qk_clip_config_from_args",
+    "settings_onto_config",
 ]
 
 _GROUP_TITLE = "megatron-muon"
@@ -175,6 +177,22 @@ def _add_megatron_muon_flags(
     add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
     # Likewise soap_* (shampoo_beta, precondition_frequency, use_kl_shampoo).
     add_optimizer_config_flags(parser, group, SoapConfig, "soap")
+    # laprop_*, oblique_sgd_*, oblique_adam_*: no OptimizerConfig field (settings_onto_config).
+    for name, settings in ROWWISE_SETTINGS.items():
+        add_optimizer_config_flags(parser, group, settings, name)
+
+
+def settings_onto_config(args: argparse.Namespace, config: Any) -> None:
+    """Copies the ``--<name>-<field>`` flags of the optimizers whose settings megatron-core's
+    ``OptimizerConfig`` has no field for (``ROWWISE_SETTINGS``) from Megatron's parsed ``args``
+    onto ``config`` as ``<name>_<field>`` attributes, where ``config`` lacks them: Megatron-LM
+    builds ``OptimizerConfig`` from its fields alone, and the classes read these attributes
+    (megatron-core's rule for an emerging optimizer's keywords)."""
+    for name, settings in ROWWISE_SETTINGS.items():
+        for field in fields(settings):
+            attribute = f"{name}_{field.name}"
+            if hasattr(args, attribute) and not hasattr(config, attribute):
+                setattr(config, attribute, getattr(args, attribute))
 
 
 def add_optimizer_config_flags(

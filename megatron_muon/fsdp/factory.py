@@ -60,6 +60,7 @@ from megatron_muon.fsdp.process_groups import (
     strategy_name,
 )
 from megatron_muon.fsdp.qk_clip import QKClipConfig, build_qk_clip
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise_optimizer
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
@@ -84,12 +85,13 @@ CkptFormatT = Literal["fsdp_dtensor"]
 # None for an elementwise one: megatron-core's own class (its standard path, the one
 # ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
 # element: decoupled decay, the sign of an interpolation of momentum and grad).
-_MATRIX_OPTIMIZERS: dict[str, type[ShardedMuon] | type[ShardedSOAP] | None] = {
+_MATRIX_OPTIMIZERS: dict[str, type[torch.optim.Optimizer] | None] = {
     "muon": ShardedMuon,
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
     "soap": ShardedSOAP,
     **SHARDED_ORTHOGONALIZED,
+    **ROWWISE_OPTIMIZERS,
 }
 assert set(_MATRIX_OPTIMIZERS) == {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
@@ -306,6 +308,12 @@ def _sub_optimizers(
             where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
             kind = "expert" if is_expert else "dense"
             summary.append(f"megatron-muon SOAP[{kind}]: {_count(groups)} over {where}")
+        elif groups and config.optimizer in ROWWISE_OPTIMIZERS:
+            rowwise, line = build_rowwise_optimizer(
+                config, groups, is_expert, pg_collection, fsdp_modules
+            )
+            optimizers.append(_wrap(rowwise, config, _eopt_init_state_fn, pg_collection))
+            summary.append(f"{line}, strategy {strategy}")
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:

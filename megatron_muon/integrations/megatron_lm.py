@@ -119,7 +119,11 @@ import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.common.options import FsdpOptimizerT
-from megatron_muon.fsdp.arguments import fsdp_config_from_args, qk_clip_config_from_args
+from megatron_muon.fsdp.arguments import (
+    fsdp_config_from_args,
+    qk_clip_config_from_args,
+    settings_onto_config,
+)
 from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
@@ -268,6 +272,8 @@ def _build_for_megatron_loop(
     from megatron_muon.fsdp.factory import build_muon_optimizer
 
     args = megatron_args()
+    if args is not None:  # --laprop-eps etc.: flags OptimizerConfig has no field for
+        settings_onto_config(args, config)
     return build_muon_optimizer(
         config,
         model_chunks,

@@ -27,7 +27,9 @@ from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import check_muon_args
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
+from megatron_muon.optimizers.settings import read_settings
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [
@@ -55,15 +57,21 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     only, which ``accepting_muon_with_fsdp`` makes sure of)."""
     from megatron_muon.fsdp.arguments import add_muon_args
 
-    tp_mode = parser._option_string_actions.get("--muon-tp-mode")
-    if tp_mode is not None and tp_mode.choices is not None:
-        tp_mode.choices = [
-            *tp_mode.choices,
-            *(c for c in _OUR_TP_MODES if c not in tp_mode.choices),
-        ]
+    _widen_choices(parser, "--muon-tp-mode", _OUR_TP_MODES)
+    _widen_choices(parser, "--optimizer", get_args(FsdpOptimizerT))
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
     return add_muon_args(parser)
+
+
+def _widen_choices(parser: argparse.ArgumentParser, option: str, ours: tuple[str, ...]) -> None:
+    """Megatron's ``option`` also takes ``ours`` (where it exists and has choices):
+    ``--muon-tp-mode`` ``layer_sharded``; ``--optimizer`` every ``FsdpOptimizerT`` name
+    (megatron-core 0.19.2 lists adam, sgd, muon, dist_muon, lion, soap, adaptive_muon), which
+    runs with ``--use-megatron-fsdp`` (``accepting_muon_with_fsdp``)."""
+    action = parser._option_string_actions.get(option)
+    if action is not None and action.choices is not None:
+        action.choices = [*action.choices, *(c for c in ours if c not in action.choices)]
 
 
 def with_muon_args(parse_args: Callable[..., Any]) -> Callable[..., Any]:
@@ -138,6 +146,8 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
         if name == "soap":
             SoapConfig.from_optimizer_config(args)  # names the soap_ field
+        if name in ROWWISE_SETTINGS:
+            read_settings(ROWWISE_SETTINGS[name], args)  # names the <name>_ field
         print_args = arguments._print_args
 
         def print_with_name(title: str, printed: argparse.Namespace) -> None:
