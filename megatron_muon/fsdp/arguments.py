@@ -50,8 +50,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig

@@ -60,7 +60,6 @@ from megatron_muon.fsdp.process_groups import (
     strategy_name,
 )
 from megatron_muon.fsdp.qk_clip import QKClipConfig, build_qk_clip
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise_optimizer
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
@@ -68,6 +67,7 @@ from megatron_muon.fsdp.routing import (
     param_groups_by_optimizer,
     route_params,
 )
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise_optimizer
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig

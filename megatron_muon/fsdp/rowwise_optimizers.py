@@ -19,13 +19,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_muon.common.options import RowwiseOptimizerT
 from megatron_muon.fsdp.process_groups import describe_groups, row_group
 from megatron_muon.optimizers.laprop import LaPropConfig, ShardedLaProp
-from megatron_muon.optimizers.settings import read_settings
 from megatron_muon.optimizers.oblique import (
     ObliqueAdamConfig,
     ObliqueSGDConfig,
     ShardedObliqueAdam,
     ShardedObliqueSGD,
 )
+from megatron_muon.optimizers.settings import read_settings
 
 __all__ = ["ROWWISE_OPTIMIZERS", "ROWWISE_SETTINGS", "build_rowwise_optimizer"]
 
@@ -65,8 +65,9 @@ def build_rowwise_optimizer(
     settings = read_settings(ROWWISE_SETTINGS[config.optimizer], config)
     params = [p for group in groups for p in group["params"]]
     where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
+    kind = "expert" if is_expert else "dense"
     line = (
-        f"megatron-muon {optimizer_class.label}[{'expert' if is_expert else 'dense'}]: "
-        f"{len(params)} params, {sum(p.numel() for p in params):,} elements over {where} ({settings})"
+        f"megatron-muon {optimizer_class.label}[{kind}]: {len(params)} params, "
+        f"{sum(p.numel() for p in params):,} elements over {where} ({settings})"
     )
     return optimizer, line

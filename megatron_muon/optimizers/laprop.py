@@ -119,8 +119,8 @@ class ShardedLaProp(LaProp):
         kwargs.update(as_keywords(LaPropConfig.from_optimizer_config(config)))
         return cls(params, **kwargs)
 
-    @torch.no_grad()  # type: ignore[misc]  # torch's decorator is untyped
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]  # LaProp's overloads
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         """``LaProp.step`` on every param's local rows (module docstring)."""
         if closure is not None:
             raise ValueError("closure is not supported")

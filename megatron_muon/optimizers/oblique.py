@@ -60,15 +60,14 @@ __all__ = [
     "column_partial_sums",
 ]
 
+
 def _help(name: str, text: str) -> dict[str, str]:
     """A field's flag help (``fsdp.arguments.add_optimizer_config_flags`` reads it)."""
     return {"help": f"--optimizer {name}: {text}."}
 
 
 def _dim_field(name: str) -> Any:
-    return field(
-        default=0, metadata=_help(name, "normalize columns (0, the default) or rows (1)")
-    )
+    return field(default=0, metadata=_help(name, "normalize columns (0, the default) or rows (1)"))
 
 
 def _eps_field(name: str) -> Any:
@@ -90,9 +89,10 @@ def _check(dim: Any, eps: float) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ObliqueSGDConfig:
-    """ObliqueSGD's settings beyond ``OptimizerConfig``'s fields (``OptimizerConfig.oblique_sgd_<field>``
-    where set, flags ``--oblique-sgd-<field>``; defaults the class's). Its ``momentum`` is
-    Megatron's ``sgd_momentum`` (``--sgd-momentum``) unless ``oblique_sgd_momentum`` is set."""
+    """ObliqueSGD's settings beyond ``OptimizerConfig``'s fields
+    (``OptimizerConfig.oblique_sgd_<field>`` where set, flags ``--oblique-sgd-<field>``; defaults
+    the class's). Its ``momentum`` is Megatron's ``sgd_momentum`` (``--sgd-momentum``) unless
+    ``oblique_sgd_momentum`` is set."""
 
     dim: int = _dim_field("oblique_sgd")
     eps: float = _eps_field("oblique_sgd")
@@ -179,17 +179,19 @@ class _RowSharded:
                     f"{self.label}: param {index} of shape {tuple(param.shape)} is not 2-D; "
                     f"{self.label} normalizes rows or columns of matrices"
                 )
-            group = tp_group(param, pg_collection)
-            if group is not None and dist.get_world_size(group) > 1:
+            tp = tp_group(param, pg_collection)
+            if tp is not None and dist.get_world_size(tp) > 1:
                 raise ValueError(
                     f"{self.label} runs at tensor-parallel size 1 only, got size "
-                    f"{dist.get_world_size(group)}: a TP block's rows or columns are not whole"
+                    f"{dist.get_world_size(tp)}: a TP block's rows or columns are not whole"
                 )
         self.num_ranks = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         check_same_params(params, dp_group)
         self._counted = {
-            id(param): any(holders[0] == rank for _, holders in layout.intervals() if rank in holders)
+            id(param): any(
+                holders[0] == rank for _, holders in layout.intervals() if rank in holders
+            )
             for param, layout in zip(params, gather_row_layouts(params, dp_group), strict=True)
         }
         for group in self.param_groups:
@@ -210,7 +212,7 @@ class _RowSharded:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    @torch.no_grad()  # type: ignore[misc]  # torch's decorator is untyped
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
         """The class's step on each param's local rows (module docstring). Collective over
         ``dp_group`` for a group with ``dim=0``."""
@@ -230,9 +232,13 @@ class _RowSharded:
                 state["step"] += 1  # a rank without rows (grad None) counts it too
             rows.append(local)
             stepped.append(grad is not None and local.numel() > 0)
-            direction = self._direction(grad, state, group) if stepped[-1] else None
-            directions.append(torch.zeros_like(local) if direction is None else direction)
-        counted = [self._counted[id(p)] and s for p, s in zip(group["params"], stepped, strict=True)]
+            if grad is not None and stepped[-1]:
+                directions.append(self._direction(grad, state, group))
+            else:  # nothing to update here; the rank still enters the column sums
+                directions.append(torch.zeros_like(local))
+        counted = [
+            self._counted[id(p)] and s for p, s in zip(group["params"], stepped, strict=True)
+        ]
         riemannian = self._riemannian_grads(rows, directions, counted, dim)
         for local, riem, active in zip(rows, riemannian, stepped, strict=True):
             if active:
@@ -241,12 +247,18 @@ class _RowSharded:
         self._retract(rows, counted, dim, eps)
 
     def _riemannian_grads(
-        self, rows: list[torch.Tensor], directions: list[torch.Tensor], counted: list[bool], dim: int
+        self,
+        rows: list[torch.Tensor],
+        directions: list[torch.Tensor],
+        counted: list[bool],
+        dim: int,
     ) -> list[torch.Tensor]:
         """``d - p * <p, d>`` per param, the inner products over ``dim`` (``dim=0``: summed over
         ``dp_group``)."""
         if dim == 1:
-            return [_compute_riemannian_grad(p, d, 1) for p, d in zip(rows, directions, strict=True)]
+            return [
+                _compute_riemannian_grad(p, d, 1) for p, d in zip(rows, directions, strict=True)
+            ]
         products = [p * d for p, d in zip(rows, directions, strict=True)]
         inner = self._column_sums(products, counted)
         return [
@@ -297,7 +309,7 @@ class ShardedObliqueSGD(_RowSharded, ObliqueSGD):
         pg_collection: Any = None,
         **kwargs: Any,
     ) -> None:
-        ObliqueSGD.__init__(self, params, **kwargs)  # type: ignore[arg-type]  # groups too
+        ObliqueSGD.__init__(self, params, **kwargs)
         self._shard(dp_group, pg_collection)
 
     @classmethod
@@ -337,7 +349,7 @@ class ShardedObliqueAdam(_RowSharded, ObliqueAdam):
         pg_collection: Any = None,
         **kwargs: Any,
     ) -> None:
-        ObliqueAdam.__init__(self, params, **kwargs)  # type: ignore[arg-type]  # groups too
+        ObliqueAdam.__init__(self, params, **kwargs)
         self._shard(dp_group, pg_collection)
 
     @classmethod

@@ -7,14 +7,12 @@ class as keywords, and turned into ``--<prefix>-<field>`` flags by
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = ["as_keywords", "read_settings"]
 
-SettingsT = TypeVar("SettingsT")
 
-
-def read_settings(cls: type[SettingsT], config: Any) -> SettingsT:
+def read_settings(cls: Any, config: Any) -> Any:
     """``cls`` from ``config.<cls.prefix>_<field>`` (``OptimizerConfig``, where a custom trainer
     sets them, or Megatron's parsed args), each field's default where ``config`` lacks it.
 
@@ -22,10 +20,10 @@ def read_settings(cls: type[SettingsT], config: Any) -> SettingsT:
         ValueError: a value ``cls`` refuses, naming the ``<prefix>_<field>`` read (``cls``'s
             messages start with the field's name).
     """
-    prefix = getattr(cls, "prefix")  # noqa: B009  # a ClassVar of each settings dataclass
+    prefix = cls.prefix  # a ClassVar of each settings dataclass
     values = {
         f.name: getattr(config, f"{prefix}_{f.name}")
-        for f in fields(cls)  # type: ignore[arg-type]  # a dataclass type
+        for f in fields(cls)
         if hasattr(config, f"{prefix}_{f.name}")
     }
     try:
