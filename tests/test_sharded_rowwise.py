@@ -141,3 +141,5 @@ def test_uneven_and_empty_row_shards_equal_the_class_on_full_matrices() -> None:
     for rank, by_case in enumerate(results):
         for (case, layout), errors in by_case.items():
             _assert_equal_to_the_class(case, errors, (rank, layout))
+    worst = max(e["param"] for by_case in results for e in by_case.values())
+    print(f"\nlargest param error (dim=0 column sums): {worst:.2e}")

@@ -163,6 +163,18 @@ class _RowSharded:
     state_keys: ClassVar[tuple[str, ...]]
     label: ClassVar[str]
 
+    def __init__(
+        self,
+        params: ParamsT,
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """The class's constructor (``kwargs``), then ``_shard``."""
+        super().__init__(params, **kwargs)  # type: ignore[call-arg]  # the class's, next in the MRO
+        self._shard(dp_group, pg_collection)
+
     def _shard(self, dp_group: dist.ProcessGroup | None, pg_collection: Any) -> None:
         """Checks the params, finds this rank's counted rows (collective over ``dp_group``) and
         creates every param's state."""
@@ -301,17 +313,6 @@ class ShardedObliqueSGD(_RowSharded, ObliqueSGD):
     state_keys = ("momentum_buffer",)
     label = "ObliqueSGD"
 
-    def __init__(
-        self,
-        params: ParamsT,
-        *,
-        dp_group: dist.ProcessGroup | None = None,
-        pg_collection: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        ObliqueSGD.__init__(self, params, **kwargs)
-        self._shard(dp_group, pg_collection)
-
     @classmethod
     def from_optimizer_config(
         cls, params: ParamsT, config: Any, **kwargs: Any
@@ -340,17 +341,6 @@ class ShardedObliqueAdam(_RowSharded, ObliqueAdam):
 
     state_keys = ("step", "exp_avg", "exp_avg_sq")
     label = "ObliqueAdam"
-
-    def __init__(
-        self,
-        params: ParamsT,
-        *,
-        dp_group: dist.ProcessGroup | None = None,
-        pg_collection: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        ObliqueAdam.__init__(self, params, **kwargs)
-        self._shard(dp_group, pg_collection)
 
     @classmethod
     def from_optimizer_config(
