@@ -67,7 +67,7 @@ from megatron_muon.fsdp.routing import (
     param_groups_by_optimizer,
     route_params,
 )
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise_optimizer
+from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
 from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
@@ -309,11 +309,9 @@ def _sub_optimizers(
             kind = "expert" if is_expert else "dense"
             summary.append(f"megatron-muon SOAP[{kind}]: {_count(groups)} over {where}")
         elif groups and config.optimizer in ROWWISE_OPTIMIZERS:
-            rowwise, line = build_rowwise_optimizer(
-                config, groups, is_expert, pg_collection, fsdp_modules
-            )
+            rowwise, line = build_rowwise(config, groups, is_expert, pg_collection, fsdp_modules)
             optimizers.append(_wrap(rowwise, config, _eopt_init_state_fn, pg_collection))
-            summary.append(f"{line}, strategy {strategy}")
+            summary.append(line)
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:

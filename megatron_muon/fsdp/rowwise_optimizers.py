@@ -17,7 +17,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_muon.common.options import RowwiseOptimizerT
-from megatron_muon.fsdp.process_groups import describe_groups, row_group
+from megatron_muon.fsdp.process_groups import describe_groups, row_group, strategy_name
 from megatron_muon.optimizers.laprop import LaPropConfig, ShardedLaProp
 from megatron_muon.optimizers.oblique import (
     ObliqueAdamConfig,
@@ -27,7 +27,7 @@ from megatron_muon.optimizers.oblique import (
 )
 from megatron_muon.optimizers.settings import read_settings
 
-__all__ = ["ROWWISE_OPTIMIZERS", "ROWWISE_SETTINGS", "build_rowwise_optimizer"]
+__all__ = ["ROWWISE_OPTIMIZERS", "ROWWISE_SETTINGS", "build_rowwise"]
 
 #: ``RowwiseOptimizerT`` name -> its class on row shards.
 ROWWISE_OPTIMIZERS: dict[str, type[ShardedLaProp | ShardedObliqueSGD | ShardedObliqueAdam]] = {
@@ -44,7 +44,7 @@ ROWWISE_SETTINGS: dict[str, type] = {
 assert set(ROWWISE_OPTIMIZERS) == set(ROWWISE_SETTINGS) == set(get_args(RowwiseOptimizerT))
 
 
-def build_rowwise_optimizer(
+def build_rowwise(
     config: Any,
     groups: list[dict],
     is_expert: bool,
@@ -52,7 +52,7 @@ def build_rowwise_optimizer(
     fsdp_modules: list[Any],
 ) -> tuple[torch.optim.Optimizer, str]:
     """``config.optimizer``'s class over ``groups`` (dense or expert params, rows over their
-    group) and its build summary. Collective over that group (the oblique classes).
+    group) and its build summary line. Collective over that group (the oblique classes).
 
     Raises:
         ValueError: a setting or param the class refuses (named).
@@ -66,8 +66,10 @@ def build_rowwise_optimizer(
     params = [p for group in groups for p in group["params"]]
     where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
     kind = "expert" if is_expert else "dense"
+    strategy = strategy_name(fsdp_modules)
     line = (
         f"megatron-muon {optimizer_class.label}[{kind}]: {len(params)} params, "
-        f"{sum(p.numel() for p in params):,} elements over {where} ({settings})"
+        f"{sum(p.numel() for p in params):,} elements over {where} ({settings}), "
+        f"strategy {strategy}"
     )
     return optimizer, line
