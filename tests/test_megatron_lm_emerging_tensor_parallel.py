@@ -19,7 +19,9 @@ MoE GPT: 4 experts, all-to-all dispatcher, RoPE):
 adaptive_muon runs ``adamuon`` (elementwise: its state is the same at TP = 1, so it reloads there)
 and ``normuon`` (``stock`` and ``ours`` only: megatron-core computes its second moment, state and
 scale per TP partition, a state that has no TP = 1 meaning; ``optimizers/moment2_partitions.py``).
-normuon's saved state holds every TP partition's, stacked along dim 0, each filled. namo and every
+normuon's saved state holds every TP partition's, stacked along dim 0, each filled, and its DP = 2
+checkpoint loaded at TP = 1 (2 ranks: the fewest that show every rank refusing alike) is refused
+on every rank naming both TP sizes, at ``load_checkpoint`` before any iteration. namo and every
 method under each tp_mode are checked against the stock class at TP = 2 x DP = 2 on row shards
 (``tests/test_sharded_adaptive_muon_tensor_parallel.py``). Lion is elementwise: it runs on the
 row shards of the DTensors as they are.
@@ -171,3 +173,22 @@ def test_normuon_checkpoint_holds_every_tp_partitions_state(
         # Every partition's block was filled by the ranks that computed it (not left at zeros).
         count = 1 if name.endswith("router.weight") else 2
         assert all(block.max() > 0 for block in state.chunk(count)), key
+
+
+def test_a_tp2_normuon_checkpoint_loaded_at_tp1_is_refused_on_every_rank_naming_both(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    runs = runs_of("normuon", tmp_path_factory)
+    loading = ["--load", str(runs.saved.parent), "--ckpt-step", str(SAVE_AT), "--no-load-rng"]
+    at_tp1 = [*OPTIMIZERS["normuon"], *MOE_LAYOUT, "--tensor-model-parallel-size", "1"]
+    at_tp1 += ["--data-parallel-sharding-strategy", "optim_grads_params", *loading]
+    batch = ["--micro-batch-size", "1", "--global-batch-size", "2"]
+    refused = run_megatron([*at_tp1, *batch], nproc=2, timeout=200, check=False)
+    assert refused.returncode != 0 and refused.iterations == {}  # refused before training
+    refusal = (
+        f"CheckpointMismatchError: --load {runs.saved.parent}: checkpoint {runs.saved} holds "
+        "adaptive_muon normuon second moments of --tensor-model-parallel-size 2 (one per TP "
+        "partition: each partition's own statistics), this run has --tensor-model-parallel-size 1"
+    )
+    for rank in (0, 1):
+        assert refusal in refused.rank_outputs[rank], refused.rank_outputs[rank][-3000:]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_muon.checkpointing import (
     CheckpointMismatchError,
@@ -33,9 +33,13 @@ from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
 from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
 __all__ = [
+    "BRIDGE_NAMES",
+    "MEGATRON_LM_NAMES",
+    "LoadSettingNames",
     "check_optimizer_state_kinds",
     "checking_optimizer_state_first",
     "optimizer_of_state",
+    "refuse_another_optimizers_state",
     "state_kinds_refusal",
     "tensor_parallel_refusal",
 ]
@@ -92,8 +96,35 @@ def optimizer_of_state(kinds: list[set[str]]) -> str | None:
     return None
 
 
+class LoadSettingNames(NamedTuple):
+    """How a refusal names the load's settings: Megatron-LM's flags (``MEGATRON_LM_NAMES``) or
+    Megatron-Bridge's config fields (``BRIDGE_NAMES``). ``load`` and ``optimizer`` are format
+    strings of the value."""
+
+    load: str
+    optimizer: str
+    option: str
+    weights_alone: str
+
+
+MEGATRON_LM_NAMES = LoadSettingNames(
+    "--load {}", "--optimizer {}", "--optimizer", "Pass --no-load-optim to load the weights alone"
+)
+BRIDGE_NAMES = LoadSettingNames(
+    "checkpoint.load={!r}",
+    "optimizer={!r}",
+    "optimizer",
+    "Set checkpoint.load_optim=False to load the weights alone",
+)
+
+
 def state_kinds_refusal(
-    saved: list[set[str]], mine: list[set[str]], optimizer: str, load: str, directory: str
+    saved: list[set[str]],
+    mine: list[set[str]],
+    optimizer: str,
+    load: str,
+    directory: str,
+    names: LoadSettingNames = MEGATRON_LM_NAMES,
 ) -> str | None:
     """Why the optimizer state ``saved`` (per param) cannot load into this run's (``mine``,
     ``--optimizer optimizer``): the keys differ, or the state is another optimizer's (Lion's and
@@ -104,13 +135,30 @@ def state_kinds_refusal(
     saved_by, mine_by = optimizer_of_state(saved), optimizer_of_state(mine)
     if saved_union == mine_union and saved_by == mine_by:
         return None
-    by = f" (saved by --optimizer {saved_by})" if saved_by is not None else ""
+    by = f" (saved by {names.optimizer.format(saved_by)})" if saved_by is not None else ""
     return (
-        f"--load {load}: checkpoint {directory}{by} holds optimizer state "
-        f"{sorted(saved_union)}, this run's --optimizer {optimizer} keeps {sorted(mine_union)} "
-        "(saved by a run with another --optimizer?). Pass --no-load-optim to load the weights "
-        "alone, or the --optimizer the checkpoint was saved with"
+        f"{names.load.format(load)}: checkpoint {directory}{by} holds optimizer state "
+        f"{sorted(saved_union)}, this run's {names.optimizer.format(optimizer)} keeps "
+        f"{sorted(mine_union)} (saved by a run with another {names.option}?). "
+        f"{names.weights_alone}, or the {names.option} the checkpoint was saved with"
     )
+
+
+def refuse_another_optimizers_state(
+    directory: str, optimizer: Any, name: str, load: str, names: LoadSettingNames
+) -> list[set[str]]:
+    """Raises when DCP checkpoint ``directory``'s optimizer state is not ``optimizer``'s (this
+    run's, ``name``) (``state_kinds_refusal``); returns the saved state keys per param.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint's ``.metadata`` does not read (named).
+        CheckpointMismatchError: the refusal, naming both optimizers.
+    """
+    saved = _saved_state_kinds(directory)
+    refusal = state_kinds_refusal(saved, _run_state_kinds(optimizer), name, load, directory, names)
+    if refusal is not None:
+        raise CheckpointMismatchError(refusal)
+    return saved
 
 
 def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
@@ -135,10 +183,10 @@ def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
     directory = checkpoint_directory(args)
     if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
         return  # Megatron's own load reports a missing checkpoint
-    saved = _saved_state_kinds(directory)
-    refusal = state_kinds_refusal(
-        saved, _run_state_kinds(optimizer), args.optimizer, args.load, directory
-    ) or tensor_parallel_refusal(args, directory, saved)
+    saved = refuse_another_optimizers_state(
+        directory, optimizer, args.optimizer, args.load, MEGATRON_LM_NAMES
+    )
+    refusal = tensor_parallel_refusal(args, directory, saved)
     if refusal is not None:
         raise CheckpointMismatchError(refusal)
 

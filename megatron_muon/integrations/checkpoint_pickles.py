@@ -41,7 +41,12 @@ from megatron_muon.checkpointing import safe_unpickle
 from megatron_muon.checkpointing.ranks import agree
 from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
 
-__all__ = ["check_checkpoint_pickles", "refusing_unsafe_pickles", "restricted_dcp_reads"]
+__all__ = [
+    "check_checkpoint_pickles",
+    "check_pickles_of",
+    "refusing_unsafe_pickles",
+    "restricted_dcp_reads",
+]
 
 
 def trusts_pickles(args: Any) -> bool:
@@ -70,9 +75,20 @@ def check_checkpoint_pickles(args: Any) -> None:
     Raises (every rank the same):
         UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist.
     """
+    check_pickles_of(lambda: checkpoint_directory(args))
+
+
+def check_pickles_of(find_directory: Callable[[], str | None]) -> None:
+    """Every pickle of the DCP checkpoint directory ``find_directory()`` returns (None, or no
+    ``.metadata`` there: nothing to check), read restricted. Collective (``agree``): an error on
+    one rank, finding the directory included, is raised on every rank.
+
+    Raises (every rank the same):
+        UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist.
+    """
     error: BaseException | None = None
     try:
-        directory = checkpoint_directory(args)
+        directory = find_directory()
         if directory is not None and os.path.isfile(
             os.path.join(directory, safe_unpickle.METADATA_NAME)
         ):

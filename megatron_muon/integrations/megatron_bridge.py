@@ -39,7 +39,10 @@ Building the config calls ``install()`` (idempotent), which applies, before Brid
 2. megatron-core's shipped dataset helpers (``megatron_lm.use_shipped_dataset_helpers``; Bridge's
    ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
 3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
-4. without a GPU, ``megatron_muon.cpu_stand_ins.install_for_bridge()``.
+4. without a GPU, ``megatron_muon.cpu_stand_ins.install_for_bridge()``;
+5. Bridge's checkpoint load (``_load_checkpoint_from_path``) with ``megatron_bridge_checkpoint``'s
+   checks: an ``fsdp_dtensor`` checkpoint's pickles read restricted (``ckpt_trust_pickles``
+   opts out), and another optimizer's state refused naming both optimizers.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.engine.config import MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
-from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations import megatron_bridge_checkpoint, megatron_lm
 from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
 from megatron_muon.integrations.megatron_version import check_megatron_core_version
 
@@ -130,6 +133,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     initialize.compile_helpers = datasets_utils.compile_helpers
     train: Any = importlib.import_module("megatron.bridge.training.train")
     train.clip_qk = _skipping_our_qk_clip(train.clip_qk)
+    megatron_bridge_checkpoint.install_load_checks()
     _INSTALLED = True
 
 
@@ -161,9 +165,14 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
     Attributes:
         muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); QK-clip comes from the model's
             ``qk_clip*`` fields (``_model_qk_clip``).
+        ckpt_trust_pickles: the ``fsdp_dtensor`` checkpoint ``checkpoint.load`` names is trusted:
+            its pickles are read without the restricted unpickler (Megatron-LM's
+            ``--ckpt-trust-pickles``; ``megatron_bridge_checkpoint``). Only for a checkpoint
+            whose pickles hold types outside the allowlist and whose origin you trust.
     """
 
     muon_fsdp: MuonFsdpConfig = dataclasses.field(default_factory=MuonFsdpConfig)
+    ckpt_trust_pickles: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

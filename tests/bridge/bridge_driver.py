@@ -16,6 +16,9 @@ from torchrun's store (group keys restart at 0) and fails with "Connection refus
   Bridge's Muon recipes, wrapped);
 - ``model``: fields set on the model provider, e.g. ``qk_clip``;
 - ``train``: fields set on the training config, e.g. ``micro_batch_size``;
+- ``refused``: true for a run that must raise (a refused load): every rank prints
+  ``BRIDGE_REFUSED``, the exception's class and message on one line, and the launch goes on
+  (a run that does not raise prints ``BRIDGE_NOT_REFUSED``);
 - the rest: ``tiny_gpt_config``'s keywords.
 
 Rank 0 prints ``BRIDGE_OPTIMIZER`` and the optimizer's class at the start, ``BRIDGE_SUB_OPTIMIZERS``
@@ -41,6 +44,7 @@ STEP_MARKER = "BRIDGE_STEP "
 OPTIMIZER_MARKER = "BRIDGE_OPTIMIZER "
 SUB_OPTIMIZERS_MARKER = "BRIDGE_SUB_OPTIMIZERS "
 RUN_MARKER = "BRIDGE_RUN "
+REFUSED_MARKER = "BRIDGE_REFUSED "
 INTEGRATION = "megatron_muon.integrations.megatron_bridge"
 
 
@@ -159,7 +163,7 @@ def _run(index: int, spec: dict[str, Any]) -> None:
                 }
                 print(STEP_MARKER + json.dumps(step), flush=True)
 
-    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model", "train")
+    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model", "train", "refused")
     cfg = tiny_gpt_config(
         _optimizer_config(spec), **{k: v for k, v in spec.items() if k not in own}
     )
@@ -167,6 +171,15 @@ def _run(index: int, spec: dict[str, Any]) -> None:
         setattr(cfg.model, name, value)
     for name, value in spec.get("train", {}).items():
         setattr(cfg.train, name, value)
+    if spec.get("refused"):
+        try:
+            pretrain(cfg, forward_step, callbacks=[Record()])
+        except Exception as error:  # noqa: BLE001 - the test reads which one, on every rank
+            message = " ".join(str(error).split())
+            print(f"{REFUSED_MARKER}{type(error).__name__}: {message}", flush=True)
+        else:
+            print("BRIDGE_NOT_REFUSED", flush=True)
+        return
     pretrain(cfg, forward_step, callbacks=[Record()])
     print(f"BRIDGE_CLIP_QK_CALLS {_CLIP_QK_CALLS[0]}", flush=True)
 

@@ -13,7 +13,9 @@ Tolerances: Newton-Schulz runs with fp32 "highest" matmuls on both sides, so DP=
 DP=1 only by reduction order (the gradient reduce over 2 ranks, the loss averaged over 2 x 2
 micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6 for Muon, 1.0e-7 for AdaptiveMuon
 (NorMuon) and 8.9e-8 for Lion (``-s`` prints them). A resumed run, and Adam with and without the
-integration, compute the same operations in the same order: bitwise.
+integration, compute the same operations in the same order: bitwise. In the resumed run's launch
+the same Muon checkpoint loaded with Lion is refused on every rank naming both optimizers
+(``integrations.megatron_bridge_checkpoint``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ STEP_MARKER = "BRIDGE_STEP "
 OPTIMIZER_MARKER = "BRIDGE_OPTIMIZER "
 SUB_OPTIMIZERS_MARKER = "BRIDGE_SUB_OPTIMIZERS "
 RUN_MARKER = "BRIDGE_RUN "
+REFUSED_MARKER = "BRIDGE_REFUSED "
 ITERS = 6
 SAVED_AT = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -85,9 +88,11 @@ _CHECKPOINTS = Path(tempfile.mkdtemp(prefix="mm_bridge_ckpt_"))
 
 @dataclass(frozen=True)
 class BridgeRun:
-    """What rank 0 printed during one ``pretrain`` of a launch."""
+    """What rank 0 printed during one ``pretrain`` of a launch (``output``), and every rank
+    (``rank_outputs``, rank 0's first)."""
 
     output: str
+    rank_outputs: tuple[str, ...]
 
 
 @functools.cache
@@ -95,9 +100,12 @@ def _launch(specs_json: str, nproc: int) -> tuple[BridgeRun, ...]:
     run = run_megatron(
         [specs_json], nproc=nproc, timeout=300, entry=[str(DRIVER)], entry_prints_done_marker=True
     )
-    parts = re.split(rf"^{RUN_MARKER}\d+$", run.rank_outputs[0], flags=re.MULTILINE)
     # Before the first run: the launch's start; the last run's part ends with the launch's end.
-    return tuple(BridgeRun(part) for part in parts[1:])
+    parts = [
+        re.split(rf"^{RUN_MARKER}\d+$", run.rank_outputs[rank], flags=re.MULTILINE)[1:]
+        for rank in range(nproc)
+    ]
+    return tuple(BridgeRun(runs[0], tuple(runs)) for runs in zip(*parts, strict=True))
 
 
 def bridge_runs(nproc: int, *specs: dict[str, Any]) -> tuple[BridgeRun, ...]:
@@ -184,11 +192,35 @@ def test_muon_at_dp2_equals_dp1_under_each_sharding_strategy(strategy: str) -> N
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def loads_of_the_muon_checkpoint() -> tuple[BridgeRun, BridgeRun]:
+    """One launch: Muon resumed from ``uninterrupted_run``'s checkpoint at ``SAVED_AT``, then
+    Lion loading the same checkpoint (refused: ``megatron_bridge_checkpoint``)."""
+    uninterrupted_run()  # saves the checkpoint
+    loading = {"load": str(_CHECKPOINTS / "muon"), "ckpt_step": SAVED_AT}
+    resumed, lion = bridge_runs(2, loading, {**emerging_spec("lion"), **loading, "refused": True})
+    return resumed, lion
+
+
 def test_resume_from_fsdp_dtensor_checkpoint_continues_the_run_bitwise() -> None:
     uninterrupted = steps(uninterrupted_run())
-    resumed = steps(bridge_run(load=str(_CHECKPOINTS / "muon"), ckpt_step=SAVED_AT))
+    resumed = steps(loads_of_the_muon_checkpoint()[0])
     assert [s["iteration"] for s in resumed] == list(range(SAVED_AT, ITERS))
     assert resumed == uninterrupted[SAVED_AT:]
+
+
+def test_a_muon_checkpoint_loaded_with_lion_is_refused_on_every_rank_naming_both() -> None:
+    lion = loads_of_the_muon_checkpoint()[1]
+    directory = _CHECKPOINTS / "muon" / f"iter_{SAVED_AT:07d}"
+    refusal = (
+        f"{REFUSED_MARKER}CheckpointMismatchError: checkpoint.load='{_CHECKPOINTS / 'muon'}': "
+        f"checkpoint {directory} (saved by optimizer='muon') holds optimizer state "
+        "['exp_avg', 'exp_avg_sq', 'momentum_buffer', 'step'], this run's optimizer='lion' keeps "
+        "['exp_avg', 'exp_avg_sq', 'step'] (saved by a run with another optimizer?). "
+        "Set checkpoint.load_optim=False to load the weights alone"
+    )
+    for rank, output in enumerate(lion.rank_outputs):
+        assert refusal in output, (rank, output[-3000:])
+        assert STEP_MARKER not in output, rank  # refused before training
 
 
 def test_dist_muon_recipe_config_trains_megatron_muon() -> None:
