@@ -321,3 +321,26 @@ def assert_resharded(reference: dict, results: list[dict]) -> None:
                 if tensor.ndim:
                     error = _relative(result["next"]["state"][name][key], tensor)
                     assert error <= RESHARD_TOLERANCE, f"{name}.{key}: {error:.2e}"
+
+
+def owner_held_state(wrapped, optimizer) -> dict[str, dict]:
+    """name -> {key: whole tensor (from the rank holding it) or step} of every param of an
+    owner-computed ``optimizer`` (``ShardedSOAP``, ...). Collective."""
+    from megatron_muon.checkpointing import named_optimizer_params
+    from megatron_muon.engine.layout import local_tensor
+
+    out = {}
+    for name, param in named_optimizer_params(wrapped):
+        if param not in optimizer.state:
+            continue
+        out[name] = {}
+        for key, value in optimizer.state[param].items():
+            if not torch.is_tensor(value):
+                out[name][key] = value
+                continue
+            pieces: list = [None] * dist.get_world_size()
+            dist.all_gather_object(pieces, local_tensor(value).detach().clone())
+            held = [piece for piece in pieces if piece.shape[0]]
+            assert all(torch.equal(piece, held[0]) for piece in held), (name, key)
+            out[name][key] = held[0]
+    return out

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_muon.testing import run_on_ranks
-from tests.checkpoint_toys import DIM, WarmupScheduler, full_snapshot, train
+from tests.checkpoint_toys import DIM, WarmupScheduler, full_snapshot, owner_held_state, train
 from tests.soap_reference import EAGER
 
 pytestmark = pytest.mark.multirank
@@ -39,32 +38,10 @@ def _build(world_size: int, strategy: str, seed: int = 0):
     return wrapped, optimizers, WarmupScheduler(optimizers)
 
 
-def _soap_state(wrapped, soap) -> dict[str, dict]:
-    """name -> {key: whole tensor (from the rank holding it) or step} of every SOAP param."""
-    from megatron_muon.checkpointing import named_optimizer_params
-    from megatron_muon.engine.layout import local_tensor
-
-    out = {}
-    for name, param in named_optimizer_params(wrapped):
-        if param not in soap.state:
-            continue
-        out[name] = {}
-        for key, value in soap.state[param].items():
-            if not torch.is_tensor(value):
-                out[name][key] = value
-                continue
-            pieces: list = [None] * dist.get_world_size()
-            dist.all_gather_object(pieces, local_tensor(value).detach().clone())
-            held = [piece for piece in pieces if piece.shape[0]]
-            assert all(torch.equal(piece, held[0]) for piece in held), (name, key)
-            out[name][key] = held[0]
-    return out
-
-
 def _snapshot(wrapped, optimizers) -> dict:
     return {
         "params": full_snapshot(wrapped, optimizers[1:])["params"],  # AdamW: row state
-        "soap": _soap_state(wrapped, optimizers[0]),
+        "soap": owner_held_state(wrapped, optimizers[0]),
     }
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_muon.checkpointing.ranks import collective_device
+from megatron_muon.engine.owner_compute import OwnerComputedOptimizer
 from megatron_muon.optimizers.laprop import ShardedLaProp
 from megatron_muon.optimizers.muon import ShardedMuon
 from megatron_muon.optimizers.oblique import ShardedObliqueAdam, ShardedObliqueSGD
@@ -86,6 +87,8 @@ def _is_adaptive_muon(optimizer: torch.optim.Optimizer) -> bool:
 def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[str, ...]:
     """State keys every param of ``group`` holds once the optimizer has state for it."""
     orthogonalized, lion, soap = _emerging_optimizer_classes()
+    if isinstance(optimizer, OwnerComputedOptimizer):  # ShardedSOAP, ShardedPSGDPro, ...
+        return optimizer.STATE_KEYS
     if isinstance(optimizer, _NAMING_THEIR_STATE):
         return optimizer.state_keys
     if isinstance(optimizer, soap):  # SOAP, ShardedSOAP (whose tensors live on each owner)
@@ -102,15 +105,17 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
     raise TypeError(
         f"checkpointing does not know how {type(optimizer).__name__} creates its state without a "
         "step; supported: Muon (emerging_optimizers OrthogonalizedOptimizer, ShardedMuon), "
-        "emerging_optimizers Lion and SOAP (ShardedSOAP), torch.optim.Adam, torch.optim.AdamW"
+        "emerging_optimizers Lion and SOAP, the owner-computed ones (ShardedSOAP, ShardedREKLS, "
+        "ShardedPSGDPro), torch.optim.Adam, torch.optim.AdamW"
     )
 
 
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon, Lion and SOAP of
-    emerging-optimizers, ``ShardedMuon``, ``ShardedSOAP``, torch ``Adam``/``AdamW``)."""
-    classes = (torch.optim.Adam, *_emerging_optimizer_classes(), *_NAMING_THEIR_STATE)
-    return isinstance(optimizer, classes)
+    emerging-optimizers, ``ShardedMuon``, the owner-computed ``ShardedSOAP``, ``ShardedREKLS`` and
+    ``ShardedPSGDPro``, the row-wise ones, torch ``Adam``/``AdamW``)."""
+    classes = (torch.optim.Adam, OwnerComputedOptimizer, *_emerging_optimizer_classes())
+    return isinstance(optimizer, (*classes, *_NAMING_THEIR_STATE))
 
 
 @torch.no_grad()
@@ -140,7 +145,8 @@ def create_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _create_param_state(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> None:
     """The state ``optimizer`` creates lazily on its first step, created now (zeros, step 0)."""
-    if isinstance(optimizer, (*_emerging_optimizer_classes(), *_NAMING_THEIR_STATE)):
+    known = (OwnerComputedOptimizer, *_emerging_optimizer_classes(), *_NAMING_THEIR_STATE)
+    if isinstance(optimizer, known):
         # emerging_optimizers' own lazy init (or ours, alike), for params without a grad too.
         optimizer._init_group(group, skip_non_grad_params=False)
         return

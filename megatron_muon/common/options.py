@@ -48,7 +48,9 @@ MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # widens Megatron-LM's --optimizer choices to them). ``RowwiseOptimizerT``: those whose step runs
 # on each rank's rows (``fsdp.rowwise_optimizers``).
 RowwiseOptimizerT = Literal["laprop", "oblique_sgd", "oblique_adam"]
-FsdpOptimizerT = Literal["muon", "adaptive_muon", "lion", "soap", RowwiseOptimizerT]
+FsdpOptimizerT = Literal[
+    "muon", "adaptive_muon", "lion", "soap", "psgd_pro", "rekls", RowwiseOptimizerT
+]
 # The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
 # megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
 # trainer (``optimizers.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.

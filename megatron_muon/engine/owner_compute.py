@@ -82,6 +82,19 @@ class OwnerComputedOptimizer(torch.optim.Optimizer):
             self, p: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float
         ) -> None: ...
 
+    @classmethod
+    def from_optimizer_config(
+        cls, param_groups: Any, config: Any, dp_group: dist.ProcessGroup | None
+    ) -> OwnerComputedOptimizer:
+        """One built from megatron-core's ``OptimizerConfig`` (the factory's door), on
+        ``dp_group``."""
+        raise NotImplementedError
+
+    @classmethod
+    def reference_name(cls) -> str:
+        """The optimizer's own class name (``SOAP``, ``PSGDPro``): summaries, errors."""
+        return registry.get_optimizer_cls(cls.name).__name__
+
     @staticmethod
     def state_bytes(shape: tuple[int, int]) -> int:
         """The planner's state bytes of one ``(m, n)`` matrix (``state_owners.MatrixCostFn``)."""
@@ -115,7 +128,7 @@ class OwnerComputedOptimizer(torch.optim.Optimizer):
     def _setup_owners(self, dp_group: dist.ProcessGroup | None) -> None:
         """Layouts, owner plan and buckets; every param's state. Collective over ``dp_group``."""
         if getattr(self, "weight_decay_method", None) == "l2":
-            reference = registry.get_optimizer_cls(self.name).__name__
+            reference = self.reference_name()
             raise ValueError(
                 f"{type(self).__name__}: weight_decay_method='l2' adds the weight to the gradient "
                 f"before {reference}'s whole-matrix work; use decoupled, independent or palm "
@@ -302,7 +315,7 @@ class OwnerComputedOptimizer(torch.optim.Optimizer):
         self, index: int, param: torch.Tensor, dp_group: dist.ProcessGroup | None
     ) -> None:
         where = f"{type(self).__name__}: param {index} of shape {tuple(param.shape)}"
-        reference = registry.get_optimizer_cls(self.name).__name__  # SOAP, PSGDPro, ...
+        reference = self.reference_name()  # SOAP, PSGDPro, ...
         if param.ndim != 2 or param.is_complex():
             raise ValueError(
                 f"{where}: {reference} steps real 2-D matrices; route it to the scalar optimizer"

@@ -12,7 +12,9 @@ returns it). It adds
   with Megatron-LM's names, choices and defaults, and ``--adaptive-muon-<field>`` for each
   ``AdaptiveMuonConfig`` field and ``--soap-<field>`` for each ``SoapConfig`` field
   (``OptimizerConfig.adaptive_muon_*``, ``soap_*``, which Megatron-LM 0.19.2's parser has no flag
-  for), **only where the parser lacks them**: on
+  for), ``--psgd-pro-<field>`` and ``--rekls-<field>`` (``PsgdProConfig``, ``RekLsConfig``;
+  ``SETTINGS_BEYOND_OPTIMIZER_CONFIG``: no ``OptimizerConfig`` field at all),
+  **only where the parser lacks them**: on
   Megatron's own parser (``megatron.training.arguments``) they already exist and are left alone, so
   the same function serves Megatron-LM's loop and a parser of our own.
 
@@ -54,9 +56,12 @@ from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
+from megatron_muon.optimizers.psgd_pro import PsgdProConfig
+from megatron_muon.optimizers.rekls import RekLsConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [
+    "SETTINGS_BEYOND_OPTIMIZER_CONFIG",
     "add_muon_args",
     "add_optimizer_config_flags",
     "check_muon_args",
@@ -66,6 +71,12 @@ __all__ = [
 ]
 
 _GROUP_TITLE = "megatron-muon"
+#: ``--optimizer`` -> the dataclass of its ``--<name>-<field>`` flags where megatron-core
+#: 0.19.2's ``OptimizerConfig`` has no ``<name>_<field>`` (Megatron-LM leaves them on its args).
+SETTINGS_BEYOND_OPTIMIZER_CONFIG: dict[str, type] = {
+    "psgd_pro": PsgdProConfig,
+    "rekls": RekLsConfig,
+}
 _FSDP_DEFAULTS = MuonFsdpConfig()
 _MUON_DEFAULTS = MuonConfig()
 # Our flags: the ``MuonFsdpConfig`` fields with ``flag(...)`` metadata (help, name, unit).
@@ -177,8 +188,8 @@ def _add_megatron_muon_flags(
     add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
     # Likewise soap_* (shampoo_beta, precondition_frequency, use_kl_shampoo).
     add_optimizer_config_flags(parser, group, SoapConfig, "soap")
-    # laprop_*, oblique_sgd_*, oblique_adam_*: no OptimizerConfig field (settings_onto_config).
-    for name, settings in ROWWISE_SETTINGS.items():
+    # psgd_pro_*, rekls_*: not in OptimizerConfig at all (integrations carries them over).
+    for name, settings in SETTINGS_BEYOND_OPTIMIZER_CONFIG.items():
         add_optimizer_config_flags(parser, group, settings, name)
 
 

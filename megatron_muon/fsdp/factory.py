@@ -17,7 +17,7 @@ or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its 
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
 of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
 ``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
-the rest.
+the rest; ``"rekls"`` and ``"psgd_pro"`` likewise (``ShardedREKLS``, ``ShardedPSGDPro``).
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -49,6 +49,7 @@ from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
 from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.engine.owner_compute import OwnerComputedOptimizer
 from megatron_muon.engine.tensor_parallel import check_param_meshes
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
@@ -74,6 +75,8 @@ from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.muon import ShardedMuon
 from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
 from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
+from megatron_muon.optimizers.psgd_pro import ShardedPSGDPro
+from megatron_muon.optimizers.rekls import ShardedREKLS
 from megatron_muon.optimizers.soap import ShardedSOAP
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
@@ -90,6 +93,8 @@ _MATRIX_OPTIMIZERS: dict[str, type[torch.optim.Optimizer] | None] = {
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
     "soap": ShardedSOAP,
+    "psgd_pro": ShardedPSGDPro,
+    "rekls": ShardedREKLS,
     **SHARDED_ORTHOGONALIZED,
     **ROWWISE_OPTIMIZERS,
 }
@@ -272,7 +277,8 @@ def _sub_optimizers(
 ) -> tuple[list[MegatronOptimizer], list[str]]:
     """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries.
 
-    ``muon_config`` None: SOAP (``ShardedSOAP``, dense and expert apart, as Muon), or an
+    ``muon_config`` None: an owner-computed optimizer (SOAP, REKLS, PSGDPro: its adapter of
+    ``engine.owner_compute``, dense and expert apart, as Muon), or an
     elementwise matrix optimizer (``routing.matrix_optimizer``, Lion): megatron-core's own class
     over the dense and expert matrices' row shards together.
     """
@@ -281,7 +287,8 @@ def _sub_optimizers(
     summary: list[str] = []
     strategy = strategy_name(fsdp_modules)
     names = [routing.scalar_optimizer]
-    if _MATRIX_OPTIMIZERS[config.optimizer] is None:
+    matrix_class = _MATRIX_OPTIMIZERS[config.optimizer]
+    if matrix_class is None:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))
@@ -301,13 +308,15 @@ def _sub_optimizers(
                 f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
                 f"tp_mode {muon_config.tp_mode}"
             )
-        elif groups and _MATRIX_OPTIMIZERS[config.optimizer] is ShardedSOAP:
+        elif groups and _is_owner_computed(matrix_class):  # SOAP, REKLS, PSGDPro
+            assert matrix_class is not None and issubclass(matrix_class, OwnerComputedOptimizer)
             dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
-            soap = ShardedSOAP.from_optimizer_config(groups, config, dp_group)
-            optimizers.append(_wrap(soap, config, _eopt_init_state_fn, pg_collection))
+            owned = matrix_class.from_optimizer_config(groups, config, dp_group)
+            optimizers.append(_wrap(owned, config, _eopt_init_state_fn, pg_collection))
             where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
             kind = "expert" if is_expert else "dense"
-            summary.append(f"megatron-muon SOAP[{kind}]: {_count(groups)} over {where}")
+            label = owned.reference_name()
+            summary.append(f"megatron-muon {label}[{kind}]: {_count(groups)} over {where}")
         elif groups and config.optimizer in ROWWISE_OPTIMIZERS:
             rowwise, line = build_rowwise(config, groups, is_expert, pg_collection, fsdp_modules)
             optimizers.append(_wrap(rowwise, config, _eopt_init_state_fn, pg_collection))
@@ -322,6 +331,10 @@ def _sub_optimizers(
                 f"strategy {strategy}"
             )
     return optimizers, summary
+
+
+def _is_owner_computed(matrix_class: type | None) -> bool:
+    return isinstance(matrix_class, type) and issubclass(matrix_class, OwnerComputedOptimizer)
 
 
 def _muon_optimizer(

@@ -77,12 +77,15 @@ def _run_state_kinds(optimizer: Any) -> list[set[str]]:
 
 
 def optimizer_of_state(kinds: list[set[str]]) -> str | None:
-    """The ``--optimizer`` whose state holds these per-param keys: Kronecker factors (``L``,
-    ``Q_L``, ...) are soap's, a second moment next to Muon's momentum adaptive_muon's, Muon's
+    """The ``--optimizer`` whose state holds these per-param keys: PSGD's preconditioner factors
+    (``Q_0``, ``Q_1``) are psgd_pro's, Kronecker factors (``L``, ``Q_L``, ...) soap's (or
+    rekls's: the same state), a second moment next to Muon's momentum adaptive_muon's, Muon's
     momentum alone muon's, a first moment without a second one (``exp_avg`` without
     ``exp_avg_sq``: Lion's, beside AdamW's for the other params) lion's, Adam's two moments alone
     adam's. None: none of these (nothing to name)."""
     union = set().union(*kinds) if kinds else set()
+    if {"Q_0", "Q_1"} & union:
+        return "psgd_pro"
     if {"L", "R", "Q_L", "Q_R"} & union:
         return "soap"
     if "moment2_buffer" in union:

@@ -1,0 +1,90 @@
+"""``--optimizer psgd_pro`` and ``--optimizer rekls`` with ``--use-megatron-fsdp`` in Megatron-LM's
+own loop, after ``install()``.
+
+In process: megatron-core 0.19.2's ``--optimizer`` choices lack both; ``install()`` widens them
+(as ``--muon-tp-mode``'s), ``validate_args`` accepts them with Megatron-FSDP and their
+``--psgd-pro-*`` / ``--rekls-*`` flags (``PsgdProConfig``, ``RekLsConfig``), refuses a bad value
+naming its field, and the values reach the ``OptimizerConfig`` the factory reads (megatron-core's
+has no such fields; ``carry_settings_to_optimizer_config``).
+
+Launched: each at DP=2 (optim_grads_params), hyperparameters as flags, 5 iterations: the build
+summary names the optimizer on the dense matrices and the loss falls. Their exactness, resume and
+reshard are checked on the factory and the toy (tests/test_factory_psgd_pro_rekls.py,
+tests/test_psgd_pro_rekls_checkpoint.py). Two launches.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.megatron_lm_logs import assert_loss_falls
+from tests.torchrun import run_megatron
+
+pytestmark = pytest.mark.timeout(600)
+
+NUM_ITERS = 5
+FLAGS = {
+    "psgd_pro": "--lr 0.003 --psgd-pro-warmup-steps 10 --psgd-pro-damping-noise-scale 0.01",
+    "rekls": "--lr 0.01 --rekls-shampoo-beta 0.9",
+}
+LABELS = {"psgd_pro": "PSGDPro", "rekls": "REKLS"}
+
+_BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 4 --train-iters 5 "
+    "--lr 0.01 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+    "--no-gradient-accumulation-fusion --use-megatron-fsdp --ckpt-format fsdp_dtensor "
+)
+
+
+def test_validate_args_accepts_psgd_pro_and_rekls_with_megatron_fsdp_and_their_flags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.training import arguments
+    from megatron.training.training import get_megatron_optimizer_config
+
+    from megatron_muon.integrations import megatron_lm
+    from megatron_muon.integrations.megatron_lm_arguments import (
+        carry_settings_to_optimizer_config,
+    )
+
+    megatron_lm.install(cpu_stand_ins=False)
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 0)
+    flags = _BASE + "--optimizer psgd_pro --psgd-pro-beta-lip 0.8 --psgd-pro-warmup-steps 7"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    args = arguments.validate_args(arguments.parse_args())
+    assert args.optimizer == "psgd_pro" and args.use_megatron_fsdp
+    config, _ = get_megatron_optimizer_config(args)
+    carry_settings_to_optimizer_config(config, args)
+    assert (config.psgd_pro_beta_lip, config.psgd_pro_warmup_steps) == (0.8, 7)
+    assert config.psgd_pro_momentum == 0.9  # PSGDPro's default
+    flags = _BASE + "--optimizer rekls --rekls-shampoo-beta 0.8"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    args = arguments.validate_args(arguments.parse_args())
+    config, _ = get_megatron_optimizer_config(args)
+    carry_settings_to_optimizer_config(config, args)
+    assert (args.optimizer, config.rekls_shampoo_beta) == ("rekls", 0.8)
+    flags = _BASE + "--optimizer psgd_pro --psgd-pro-beta-lip 1.5"
+    monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
+    with pytest.raises(ValueError, match="psgd_pro_beta_lip must be in"):
+        arguments.validate_args(arguments.parse_args())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_megatron_lms_loop_trains_it_by_name_at_dp2(name: str) -> None:
+    run = run_megatron(
+        [
+            *f"--optimizer {name} {FLAGS[name]}".split(),
+            *("--data-parallel-sharding-strategy", "optim_grads_params"),
+            *("--train-iters", str(NUM_ITERS)),
+        ],
+        nproc=2,
+    )
+    assert sorted(run.iterations) == list(range(1, NUM_ITERS + 1))
+    for described in run.optimizers.values():
+        summary = described["summary"]
+        assert any(f"{LABELS[name]}[dense]" in line for line in summary), summary
+    assert_loss_falls(run.series("lm loss"), NUM_ITERS)
