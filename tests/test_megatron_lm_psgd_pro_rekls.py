@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(600)
 NUM_ITERS = 5
 FLAGS = {
     "psgd_pro": "--lr 0.003 --psgd-pro-warmup-steps 10 --psgd-pro-damping-noise-scale 0.01",
-    "rekls": "--lr 0.01 --rekls-shampoo-beta 0.9",
+    "rekls": "--lr 0.03 --rekls-shampoo-beta 0.9",
 }
 LABELS = {"psgd_pro": "PSGDPro", "rekls": "REKLS"}
 

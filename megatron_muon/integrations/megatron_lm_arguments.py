@@ -56,7 +56,8 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """Megatron ``extra_args_provider`` adding megatron-muon's flags (idempotent per parser), and
     widening Megatron's own ``--muon-tp-mode`` choices to ours (``TpModeT``: megatron-core
     0.19.2 lists blockwise, duplicated, distributed; ``layer_sharded`` runs in ``ShardedMuon``
-    only, which ``accepting_muon_with_fsdp`` makes sure of)."""
+    only, which ``accepting_muon_with_fsdp`` makes sure of), and its ``--optimizer`` choices to
+    ``FsdpOptimizerT``'s (megatron-core 0.19.2 lacks psgd_pro and rekls)."""
     from megatron_muon.fsdp.arguments import add_muon_args
 
     _widen_choices(parser, "--muon-tp-mode", _OUR_TP_MODES)
