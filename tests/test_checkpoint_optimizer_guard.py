@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_muon.optimizers.psgd_pro import STATE_KEYS as PSGD_KEYS
 from megatron_muon.optimizers.soap_matrix import STATE_KEYS as SOAP_KEYS
 
 _ADAM = {"exp_avg", "exp_avg_sq", "step"}
@@ -26,6 +27,7 @@ STATE = {
     "adaptive_muon": [{"momentum_buffer", "moment2_buffer"}, _ADAM],
     "lion": [{"exp_avg"}, _ADAM],
     "soap": [set(SOAP_KEYS), _ADAM],
+    "psgd_pro": [set(PSGD_KEYS), _ADAM],
     "adam": [_ADAM, _ADAM],
 }
 
