@@ -7,10 +7,12 @@ In process: megatron-core 0.19.2's ``--optimizer`` choices lack both; ``install(
 naming its field, and the values reach the ``OptimizerConfig`` the factory reads (megatron-core's
 has no such fields; ``carry_settings_to_optimizer_config``).
 
-Launched: each at DP=2 (optim_grads_params), hyperparameters as flags, 5 iterations: the build
-summary names the optimizer on the dense matrices and the loss falls. Their exactness, resume and
-reshard are checked on the factory and the toy (tests/test_factory_psgd_pro_rekls.py,
-tests/test_psgd_pro_rekls_checkpoint.py). Two launches.
+Launched: each at DP=2 (optim_grads_params), 5 iterations; the build summary names the optimizer
+on the dense matrices. psgd_pro, its hyperparameters as flags: the loss falls (megatron-core's own
+psgd_pro cannot build). rekls: losses and grad norms equal megatron-core's own rekls on one rank
+(DDP) to the printed digits. Their exactness, resume and reshard are checked on the factory and the
+toy (tests/test_factory_psgd_pro_rekls.py, tests/test_psgd_pro_rekls_checkpoint.py). Three
+launches.
 """
 
 from __future__ import annotations
@@ -19,16 +21,14 @@ import sys
 
 import pytest
 
-from tests.megatron_lm_logs import assert_loss_falls
-from tests.torchrun import run_megatron
+from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
+from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(600)
 
 NUM_ITERS = 5
-FLAGS = {
-    "psgd_pro": "--lr 0.003 --psgd-pro-warmup-steps 10 --psgd-pro-damping-noise-scale 0.01",
-    "rekls": "--lr 0.03 --rekls-shampoo-beta 0.9",
-}
+PSGD_FLAGS = "--lr 0.003 --psgd-pro-warmup-steps 10 --psgd-pro-damping-noise-scale 0.01"
+REKLS_FLAGS = "--lr 0.01 --micro-batch-size 2 --clip-grad 0 --position-embedding-type rope"
 LABELS = {"psgd_pro": "PSGDPro", "rekls": "REKLS"}
 
 _BASE = (
@@ -72,12 +72,12 @@ def test_validate_args_accepts_psgd_pro_and_rekls_with_megatron_fsdp_and_their_f
         arguments.validate_args(arguments.parse_args())
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("name", list(FLAGS))
-def test_megatron_lms_loop_trains_it_by_name_at_dp2(name: str) -> None:
+def _dp2(name: str, flags: str) -> MegatronRun:
+    """``--optimizer name`` at DP=2 under Megatron-FSDP (optim_grads_params); its summary names
+    the optimizer on the dense matrices."""
     run = run_megatron(
         [
-            *f"--optimizer {name} {FLAGS[name]}".split(),
+            *f"--optimizer {name} {flags}".split(),
             *("--data-parallel-sharding-strategy", "optim_grads_params"),
             *("--train-iters", str(NUM_ITERS)),
         ],
@@ -87,4 +87,27 @@ def test_megatron_lms_loop_trains_it_by_name_at_dp2(name: str) -> None:
     for described in run.optimizers.values():
         summary = described["summary"]
         assert any(f"{LABELS[name]}[dense]" in line for line in summary), summary
+    return run
+
+
+@pytest.mark.multirank
+def test_psgd_pro_trains_by_name_in_megatron_lms_loop_at_dp2() -> None:
+    """megatron-core's own psgd_pro cannot build (it passes ``betas``): the loss falls."""
+    run = _dp2("psgd_pro", PSGD_FLAGS)
     assert_loss_falls(run.series("lm loss"), NUM_ITERS)
+
+
+@pytest.mark.multirank
+def test_rekls_in_megatron_lms_loop_at_dp2_equals_stock_rekls_on_one_rank() -> None:
+    """Like-for-like with megatron-core's own rekls (DDP, one rank; ``install()`` widens its
+    ``--optimizer`` choices): the same gradient bits on both sides, as for SOAP
+    (tests/test_megatron_lm_soap.py: one micro-batch per rank, ``--clip-grad 0``, RoPE), and
+    REKLS's default shampoo_beta (megatron-core's path reads no ``--rekls-*`` flag)."""
+    run = _dp2("rekls", REKLS_FLAGS)
+    stock = run_megatron(
+        [*f"--optimizer rekls {REKLS_FLAGS}".split(), "--train-iters", str(NUM_ITERS)],
+        nproc=1,
+        megatron_fsdp=False,
+    )
+    assert_same_losses(run.series("lm loss"), stock.series("lm loss"))
+    assert_same_losses(run.series("grad norm"), stock.series("grad norm"))
