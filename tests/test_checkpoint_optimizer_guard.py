@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.optimizers.psgd_pro import STATE_KEYS as PSGD_KEYS
+from megatron_muon.optimizers.psgd_matrix import STATE_KEYS as PSGD_KEYS
 from megatron_muon.optimizers.soap_matrix import STATE_KEYS as SOAP_KEYS
 
 _ADAM = {"exp_avg", "exp_avg_sq", "step"}

@@ -175,7 +175,7 @@ def test_uneven_and_empty_row_shards_are_bitwise_the_unsharded_class_on_full_mat
 
 def test_psgd_owner_plan_balances_state_bytes_and_flops() -> None:
     from megatron_muon.engine.state_owners import plan_state_owners
-    from megatron_muon.optimizers.psgd_pro import psgd_flops, psgd_state_bytes
+    from megatron_muon.optimizers.psgd_matrix import psgd_flops, psgd_state_bytes
 
     # The CPU bench's dense GPT (benchmarks/config.py): 8 layers, hidden 512, MLP 2048.
     hidden, ffn = 512, 2048
@@ -189,7 +189,8 @@ def test_psgd_owner_plan_balances_state_bytes_and_flops() -> None:
 def test_settings_that_cannot_run_exactly_are_refused_naming_them() -> None:
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_muon.optimizers.psgd_pro import PsgdProConfig, ShardedPSGDPro
+    from megatron_muon.optimizers.psgd_matrix import PsgdProConfig
+    from megatron_muon.optimizers.psgd_pro import ShardedPSGDPro
     from megatron_muon.optimizers.rekls import RekLsConfig, ShardedREKLS
 
     matrix = [torch.nn.Parameter(torch.zeros(4, 4))]

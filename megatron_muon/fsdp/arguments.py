@@ -56,7 +56,7 @@ from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
 from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
-from megatron_muon.optimizers.psgd_pro import PsgdProConfig
+from megatron_muon.optimizers.psgd_matrix import PsgdProConfig
 from megatron_muon.optimizers.rekls import RekLsConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
