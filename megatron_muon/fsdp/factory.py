@@ -17,7 +17,7 @@ or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its 
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
 of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
 ``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
-the rest; ``"rekls"`` and ``"psgd_pro"`` likewise (``ShardedREKLS``, ``ShardedPSGDPro``).
+the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``optimizers.owner_computed``).
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -75,9 +75,7 @@ from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.muon import ShardedMuon
 from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
 from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
-from megatron_muon.optimizers.psgd_pro import ShardedPSGDPro
-from megatron_muon.optimizers.rekls import ShardedREKLS
-from megatron_muon.optimizers.soap import ShardedSOAP
+from megatron_muon.optimizers.owner_computed import OWNER_COMPUTED
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 
@@ -92,9 +90,7 @@ _MATRIX_OPTIMIZERS: dict[str, type[torch.optim.Optimizer] | None] = {
     "muon": ShardedMuon,
     "adaptive_muon": ShardedAdaptiveMuon,
     "lion": None,
-    "soap": ShardedSOAP,
-    "psgd_pro": ShardedPSGDPro,
-    "rekls": ShardedREKLS,
+    **OWNER_COMPUTED,  # soap, rekls, psgd_pro
     **SHARDED_ORTHOGONALIZED,
     **ROWWISE_OPTIMIZERS,
 }
