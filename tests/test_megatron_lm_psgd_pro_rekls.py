@@ -5,7 +5,7 @@ In process: megatron-core 0.19.2's ``--optimizer`` choices lack both; ``install(
 (as ``--muon-tp-mode``'s), ``validate_args`` accepts them with Megatron-FSDP and their
 ``--psgd-pro-*`` / ``--rekls-*`` flags (``PsgdProConfig``, ``RekLsConfig``), refuses a bad value
 naming its field, and the values reach the ``OptimizerConfig`` the factory reads (megatron-core's
-has no such fields; ``carry_settings_to_optimizer_config``).
+has no such fields; ``fsdp.arguments.settings_onto_config``).
 
 Launched: each at DP=2 (optim_grads_params), 5 iterations; the build summary names the optimizer
 on the dense matrices. psgd_pro, its hyperparameters as flags: the loss falls (megatron-core's own
@@ -45,10 +45,8 @@ def test_validate_args_accepts_psgd_pro_and_rekls_with_megatron_fsdp_and_their_f
     from megatron.training import arguments
     from megatron.training.training import get_megatron_optimizer_config
 
+    from megatron_muon.fsdp.arguments import settings_onto_config
     from megatron_muon.integrations import megatron_lm
-    from megatron_muon.integrations.megatron_lm_arguments import (
-        carry_settings_to_optimizer_config,
-    )
 
     megatron_lm.install(cpu_stand_ins=False)
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 0)
@@ -57,14 +55,14 @@ def test_validate_args_accepts_psgd_pro_and_rekls_with_megatron_fsdp_and_their_f
     args = arguments.validate_args(arguments.parse_args())
     assert args.optimizer == "psgd_pro" and args.use_megatron_fsdp
     config, _ = get_megatron_optimizer_config(args)
-    carry_settings_to_optimizer_config(config, args)
+    settings_onto_config(args, config)
     assert (config.psgd_pro_beta_lip, config.psgd_pro_warmup_steps) == (0.8, 7)
     assert config.psgd_pro_momentum == 0.9  # PSGDPro's default
     flags = _BASE + "--optimizer rekls --rekls-shampoo-beta 0.8"
     monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])
     args = arguments.validate_args(arguments.parse_args())
     config, _ = get_megatron_optimizer_config(args)
-    carry_settings_to_optimizer_config(config, args)
+    settings_onto_config(args, config)
     assert (args.optimizer, config.rekls_shampoo_beta) == ("rekls", 0.8)
     flags = _BASE + "--optimizer psgd_pro --psgd-pro-beta-lip 1.5"
     monkeypatch.setattr(sys, "argv", ["pretrain", *flags.split()])

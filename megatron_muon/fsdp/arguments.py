@@ -72,8 +72,10 @@ __all__ = [
 
 _GROUP_TITLE = "megatron-muon"
 #: ``--optimizer`` -> the dataclass of its ``--<name>-<field>`` flags where megatron-core
-#: 0.19.2's ``OptimizerConfig`` has no ``<name>_<field>`` (Megatron-LM leaves them on its args).
+#: 0.19.2's ``OptimizerConfig`` has no ``<name>_<field>`` (Megatron-LM leaves them on its args;
+#: ``settings_onto_config`` carries them over; ``optimizers.settings.read_settings`` reads them).
 SETTINGS_BEYOND_OPTIMIZER_CONFIG: dict[str, type] = {
+    **ROWWISE_SETTINGS,
     "psgd_pro": PsgdProConfig,
     "rekls": RekLsConfig,
 }
@@ -188,18 +190,19 @@ def _add_megatron_muon_flags(
     add_optimizer_config_flags(parser, group, AdaptiveMuonConfig, "adaptive_muon")
     # Likewise soap_* (shampoo_beta, precondition_frequency, use_kl_shampoo).
     add_optimizer_config_flags(parser, group, SoapConfig, "soap")
-    # psgd_pro_*, rekls_*: not in OptimizerConfig at all (integrations carries them over).
+    # laprop_*, ..., psgd_pro_*, rekls_*: no OptimizerConfig field (settings_onto_config).
     for name, settings in SETTINGS_BEYOND_OPTIMIZER_CONFIG.items():
         add_optimizer_config_flags(parser, group, settings, name)
 
 
 def settings_onto_config(args: argparse.Namespace, config: Any) -> None:
     """Copies the ``--<name>-<field>`` flags of the optimizers whose settings megatron-core's
-    ``OptimizerConfig`` has no field for (``ROWWISE_SETTINGS``) from Megatron's parsed ``args``
+    ``OptimizerConfig`` has no field for (``SETTINGS_BEYOND_OPTIMIZER_CONFIG``) from Megatron's
+    parsed ``args``
     onto ``config`` as ``<name>_<field>`` attributes, where ``config`` lacks them: Megatron-LM
     builds ``OptimizerConfig`` from its fields alone, and the classes read these attributes
     (megatron-core's rule for an emerging optimizer's keywords)."""
-    for name, settings in ROWWISE_SETTINGS.items():
+    for name, settings in SETTINGS_BEYOND_OPTIMIZER_CONFIG.items():
         for field in fields(settings):
             attribute = f"{name}_{field.name}"
             if hasattr(args, attribute) and not hasattr(config, attribute):

@@ -17,7 +17,7 @@ or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its 
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
 of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
 ``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
-the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``optimizers.owner_computed``).
+the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``fsdp.owner_computed_optimizers``).
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -49,11 +49,11 @@ from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
 from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.engine.owner_compute import OwnerComputedOptimizer
 from megatron_muon.engine.tensor_parallel import check_param_meshes
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
 from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
+from megatron_muon.fsdp.owner_computed_optimizers import OWNER_COMPUTED, build_owned
 from megatron_muon.fsdp.process_groups import (
     describe_groups,
     resolve_pg_collection,
@@ -75,7 +75,6 @@ from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.muon import ShardedMuon
 from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
 from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
-from megatron_muon.optimizers.owner_computed import OWNER_COMPUTED
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 
@@ -283,8 +282,7 @@ def _sub_optimizers(
     summary: list[str] = []
     strategy = strategy_name(fsdp_modules)
     names = [routing.scalar_optimizer]
-    matrix_class = _MATRIX_OPTIMIZERS[config.optimizer]
-    if matrix_class is None:
+    if _MATRIX_OPTIMIZERS[config.optimizer] is None:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))
@@ -304,15 +302,10 @@ def _sub_optimizers(
                 f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
                 f"tp_mode {muon_config.tp_mode}"
             )
-        elif groups and _is_owner_computed(matrix_class):  # SOAP, REKLS, PSGDPro
-            assert matrix_class is not None and issubclass(matrix_class, OwnerComputedOptimizer)
-            dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
-            owned = matrix_class.from_optimizer_config(groups, config, dp_group)
+        elif groups and config.optimizer in OWNER_COMPUTED:  # soap, rekls, psgd_pro
+            owned, line = build_owned(config, groups, is_expert, pg_collection, fsdp_modules)
             optimizers.append(_wrap(owned, config, _eopt_init_state_fn, pg_collection))
-            where = describe_groups(dp_group, dp_label, pg_collection, is_expert)
-            kind = "expert" if is_expert else "dense"
-            label = owned.reference_name()
-            summary.append(f"megatron-muon {label}[{kind}]: {_count(groups)} over {where}")
+            summary.append(line)
         elif groups and config.optimizer in ROWWISE_OPTIMIZERS:
             rowwise, line = build_rowwise(config, groups, is_expert, pg_collection, fsdp_modules)
             optimizers.append(_wrap(rowwise, config, _eopt_init_state_fn, pg_collection))
@@ -327,10 +320,6 @@ def _sub_optimizers(
                 f"strategy {strategy}"
             )
     return optimizers, summary
-
-
-def _is_owner_computed(matrix_class: type | None) -> bool:
-    return isinstance(matrix_class, type) and issubclass(matrix_class, OwnerComputedOptimizer)
 
 
 def _muon_optimizer(

@@ -141,7 +141,6 @@ from megatron_muon.integrations.checkpoint_pickles import refusing_unsafe_pickle
 from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
-    carry_settings_to_optimizer_config,
     extra_args_provider,
     muon_meets_megatron_fsdp,
     with_muon_args,
@@ -275,7 +274,6 @@ def _build_for_megatron_loop(
     args = megatron_args()
     if args is not None:  # --laprop-eps, --psgd-pro-*, ...: flags OptimizerConfig has no field for
         settings_onto_config(args, config)
-        carry_settings_to_optimizer_config(config, args)
     return build_muon_optimizer(
         config,
         model_chunks,

@@ -23,12 +23,10 @@ import argparse
 import functools
 import re
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import SETTINGS_BEYOND_OPTIMIZER_CONFIG, check_muon_args
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.settings import read_settings
 from megatron_muon.optimizers.soap_matrix import SoapConfig
@@ -39,7 +37,6 @@ __all__ = [
     "with_muon_args",
     "muon_meets_megatron_fsdp",
     "accepting_muon_with_fsdp",
-    "carry_settings_to_optimizer_config",
 ]
 
 
@@ -149,10 +146,8 @@ def accepting_muon_with_fsdp(validate_args: Callable[..., Any], arguments: Any) 
             AdaptiveMuonConfig.from_optimizer_config(args)  # names the adaptive_muon_ field
         if name == "soap":
             SoapConfig.from_optimizer_config(args)  # names the soap_ field
-        if name in ROWWISE_SETTINGS:
-            read_settings(ROWWISE_SETTINGS[name], args)  # names the <name>_ field
-        if name in SETTINGS_BEYOND_OPTIMIZER_CONFIG:  # psgd_pro, rekls: names the field
-            SETTINGS_BEYOND_OPTIMIZER_CONFIG[name].from_optimizer_config(args)  # type: ignore[attr-defined]  # each has it
+        if name in SETTINGS_BEYOND_OPTIMIZER_CONFIG:
+            read_settings(SETTINGS_BEYOND_OPTIMIZER_CONFIG[name], args)  # names the <name>_ field
         print_args = arguments._print_args
 
         def print_with_name(title: str, printed: argparse.Namespace) -> None:
@@ -252,15 +247,3 @@ def _reduce_grads_across_hsdp_replicas(args: argparse.Namespace) -> None:
         "its replicas only with --overlap-grad-reduce: turning --overlap-grad-reduce on.",
         getattr(args, "rank", None),
     )
-
-
-def carry_settings_to_optimizer_config(config: Any, args: argparse.Namespace) -> None:
-    """Sets ``config.<name>_<field>`` from ``args`` for ``--optimizer <name>``'s settings that
-    megatron-core 0.19.2's ``OptimizerConfig`` has no field for (``psgd_pro_*``, ``rekls_*``:
-    ``SETTINGS_BEYOND_OPTIMIZER_CONFIG``): Megatron-LM builds its ``OptimizerConfig`` from the
-    args' values of its own fields only, so the flags' values would not reach the factory."""
-    settings = SETTINGS_BEYOND_OPTIMIZER_CONFIG.get(getattr(config, "optimizer", None) or "")
-    for field in fields(settings) if settings is not None else ():
-        name = f"{config.optimizer}_{field.name}"
-        if hasattr(args, name) and not hasattr(config, name):
-            setattr(config, name, getattr(args, name))

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from emerging_optimizers.psgd import psgd as eo_psgd
 from emerging_optimizers.psgd import psgd_kron_contractions, psgd_utils
 from emerging_optimizers.soap.soap import _clip_update_rms_in_place
+
+from megatron_muon.optimizers.settings import read_settings
 
 __all__ = [
     "SEED_BOUND",
@@ -49,6 +51,8 @@ class PsgdProConfig:
     ``OptimizerConfig.psgd_pro_<field>`` (megatron-core 0.19.2 has no such field: Megatron-LM's
     flag sets it, ``integrations`` carries it over), names and defaults ``PSGDPro``'s."""
 
+    prefix: ClassVar[str] = "psgd_pro"
+
     momentum: float = field(default=0.9, metadata=_help("momentum of the gradient's EMA"))
     beta_lip: float = field(default=0.9, metadata=_help("EMA beta of the Lipschitz constants"))
     precond_lr: float = field(default=0.1, metadata=_help("preconditioner learning rate"))
@@ -71,16 +75,12 @@ class PsgdProConfig:
 
     @classmethod
     def from_optimizer_config(cls, config: Any) -> PsgdProConfig:
-        """Reads ``config.psgd_pro_<field>`` where present (``OptimizerConfig`` or parsed args).
+        """``config.psgd_pro_<field>`` where present (``settings.read_settings``).
 
         Raises:
             ValueError: naming the ``psgd_pro_`` field read.
         """
-        values = {f.name: getattr(config, f"psgd_pro_{f.name}", None) for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in values.items() if v is not None})
-        except ValueError as error:  # every message starts with the field's name
-            raise ValueError(f"psgd_pro_{error}") from None
+        return read_settings(cls, config)
 
 
 def psgd_state_bytes(shape: tuple[int, int]) -> int:

@@ -12,7 +12,7 @@ the ``--rekls-*`` flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from emerging_optimizers import mixin as opt_mixin
 from emerging_optimizers.soap.rekls import REKLS
 from torch.optim.optimizer import ParamsT
 
+from megatron_muon.optimizers.settings import read_settings
 from megatron_muon.optimizers.soap import ShardedSOAP
 
 __all__ = ["RekLsConfig", "ShardedREKLS"]
@@ -35,6 +36,8 @@ class RekLsConfig:
         shampoo_beta: decay of the Kronecker factors' running average, in [0, 1).
     """
 
+    prefix: ClassVar[str] = "rekls"
+
     shampoo_beta: float = field(
         default=0.95,
         metadata={"help": "--optimizer rekls: decay of the Kronecker factors' average, in [0, 1)."},
@@ -46,17 +49,12 @@ class RekLsConfig:
 
     @classmethod
     def from_optimizer_config(cls, config: Any) -> RekLsConfig:
-        """Reads ``config.rekls_<field>`` where present (``OptimizerConfig`` or parsed args).
+        """``config.rekls_<field>`` where present (``settings.read_settings``).
 
         Raises:
             ValueError: naming the ``rekls_`` field read.
         """
-        values = {f.name: getattr(config, f"rekls_{f.name}", None) for f in fields(cls)}
-        present = {k: v for k, v in values.items() if v is not None}
-        try:
-            return cls(**present)
-        except ValueError as error:  # every message starts with the field's name
-            raise ValueError(f"rekls_{error}") from None
+        return read_settings(cls, config)
 
 
 class ShardedREKLS(ShardedSOAP, REKLS):
