@@ -53,7 +53,7 @@ from megatron_muon.engine.layout import (
     mesh_axes,
 )
 from megatron_muon.engine.owner_state import owner_held_dtensor, whole_dtensor
-from megatron_muon.engine.state_owners import OwnerPlan, plan_state_owners
+from megatron_muon.engine.state_owners import StateOwnerPlan, plan_state_owners
 from megatron_muon.engine.step_plan import WorkBlock
 
 __all__ = ["OwnerComputedOptimizer"]
@@ -159,7 +159,7 @@ class OwnerComputedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             self._init_group(group, skip_non_grad_params=False)
 
-    def owner_plan(self) -> OwnerPlan:
+    def owner_plan(self) -> StateOwnerPlan:
         """The owner of each row-sharded matrix (in param order) and each rank's loads."""
         return self.plan
 

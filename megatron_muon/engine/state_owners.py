@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MatrixCostFn", "OwnerPlan", "plan_state_owners"]
+__all__ = ["MatrixCostFn", "StateOwnerPlan", "plan_state_owners"]
 
 #: A cost of one ``(m, n)`` matrix (state bytes, or FLOPs per step).
 MatrixCostFn = Callable[[tuple[int, int]], int]
 
 
 @dataclass(frozen=True, slots=True)
-class OwnerPlan:
+class StateOwnerPlan:
     """Owner of each matrix and each rank's load.
 
     Attributes:
@@ -58,7 +58,7 @@ def plan_state_owners(
     state_bytes: MatrixCostFn,
     flops: MatrixCostFn,
     label: str = "the owner planner",
-) -> OwnerPlan:
+) -> StateOwnerPlan:
     """One owner per ``(m, n)`` matrix over ``num_ranks`` ranks, ``state_bytes`` and ``flops``
     balanced (module docstring). Deterministic: a function of its arguments only.
 
@@ -91,4 +91,4 @@ def plan_state_owners(
         owners[i] = rank
         memory_load[rank] += memory[i]
         work_load[rank] += work[i]
-    return OwnerPlan(tuple(owners), tuple(memory_load), tuple(work_load))
+    return StateOwnerPlan(tuple(owners), tuple(memory_load), tuple(work_load))

@@ -1,4 +1,4 @@
-"""``build_muon_optimizer``: Muon, adaptive Muon, Lion or SOAP (+ AdamW/Lion) for Megatron-FSDP.
+"""``build_muon_optimizer``: Muon or another emerging optimizer (+ AdamW/Lion) for Megatron-FSDP.
 
 What a Megatron user calls in place of ``get_megatron_optimizer`` when ``optimizer="muon"`` (or
 ``"lion"``, the values of ``common.options.FsdpOptimizerT``, or another orthogonalized optimizer

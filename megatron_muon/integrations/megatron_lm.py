@@ -1,5 +1,5 @@
-"""``--optimizer muon|adaptive_muon|lion|soap --use-megatron-fsdp`` in Megatron-LM's own
-training loop: ``install()``.
+"""``--optimizer muon`` (or another of ``FsdpOptimizerT``) ``--use-megatron-fsdp`` in Megatron-LM's
+own training loop: ``install()``.
 
 Megatron-LM's ``pretrain_gpt.py`` trains through ``megatron.training.pretrain``, which ships inside
 the megatron-core wheel. Put ``install()`` at the top of that script (before it parses arguments)
@@ -21,7 +21,7 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    Megatron-FSDP twice (``assert args.optimizer in ('sgd', 'adam')`` in the Megatron-FSDP block;
    ``assert not args.use_megatron_fsdp`` in the emerging-optimizer block, which also allows only the
    torch/torch_dist checkpoint formats while Megatron-FSDP requires fsdp_dtensor). Exactly when
-   ``args.optimizer`` is one of ``FsdpOptimizerT`` (muon, adaptive_muon, lion, soap) and
+   ``args.optimizer`` is one of ``FsdpOptimizerT`` (muon, adaptive_muon, lion, soap, ...) and
    ``args.use_megatron_fsdp``, the original runs with the optimizer reported as "adam" and the
    name is restored before the arguments are printed and returned (``--fp16`` is refused there,
    as the factory does). In 0.19.2 ``validate_args`` reads ``args.optimizer`` only at those two

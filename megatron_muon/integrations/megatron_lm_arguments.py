@@ -1,4 +1,4 @@
-"""Megatron-LM's arguments for ``--optimizer muon|adaptive_muon|lion|soap --use-megatron-fsdp``:
+"""Megatron-LM's arguments for ``--optimizer <FsdpOptimizerT> --use-megatron-fsdp``:
 two patched functions.
 
 ``megatron_muon.integrations.megatron_lm.install()`` applies both, under its megatron-core version
@@ -8,13 +8,13 @@ and 2) and in each function's below.
 - ``with_muon_args(parse_args)``: megatron-muon's flags after the caller's ``extra_args_provider``;
   every bare ``%`` in the parser's help escaped (``escape_bare_percent_in_help``), so ``--help``
   works; Megatron's ``--muon-tp-mode`` also takes ``layer_sharded`` (``TpModeT``).
-- ``accepting_muon_with_fsdp(validate_args, arguments)``: Muon, adaptive Muon, Lion or SOAP
-  (``FsdpOptimizerT``) with Megatron-FSDP gets past the two refusals of megatron-core 0.19.2's
-  ``validate_args``; ``--fp16`` is refused, ``--qk-clip`` is taken over, HSDP turns
-  ``--overlap-grad-reduce`` on and (Muon, adaptive Muon) the Muon flags' values are checked (and
-  the ``--adaptive-muon-*`` and ``--soap-*`` ones); ``--async-save`` is refused; Muon or adaptive
-  Muon without Megatron-FSDP (stock ``TensorParallelMuon`` and its subclass) is refused
-  ``layer_sharded``.
+- ``accepting_muon_with_fsdp(validate_args, arguments)``: an optimizer megatron-muon builds
+  (``FsdpOptimizerT``: Muon, adaptive Muon, Lion, SOAP, ...) with Megatron-FSDP gets past the
+  two refusals of megatron-core 0.19.2's ``validate_args``; ``--fp16`` is refused,
+  ``--qk-clip`` is taken over, HSDP turns ``--overlap-grad-reduce`` on and (Muon, adaptive Muon)
+  the Muon flags' values are checked (and each optimizer's own settings flags); ``--async-save``
+  is refused; Muon or adaptive Muon without Megatron-FSDP (stock ``TensorParallelMuon`` and its
+  subclass) is refused ``layer_sharded``.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def escape_bare_percent_in_help(parser: argparse.ArgumentParser) -> argparse.Arg
 
 def muon_meets_megatron_fsdp(args: argparse.Namespace) -> bool:
     """True for the combinations this integration takes over: an optimizer megatron-muon builds
-    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion, soap) with
+    for Megatron-FSDP (``FsdpOptimizerT``: muon, adaptive_muon, lion, soap, ...) with
     ``--use-megatron-fsdp``."""
     return getattr(args, "optimizer", None) in get_args(FsdpOptimizerT) and bool(
         getattr(args, "use_megatron_fsdp", False)

@@ -3,12 +3,13 @@ once; the flags are derived from its fields (``fsdp.arguments.add_optimizer_conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from emerging_optimizers.orthogonalized_optimizers.adaptive_muon import Moment2MethodT
 
 from megatron_muon.common.options import check_choice
+from megatron_muon.optimizers.settings import read_settings
 
 __all__ = ["AdaptiveMuonConfig"]
 
@@ -29,6 +30,8 @@ class AdaptiveMuonConfig:
         beta2: decay of the second moment's running average, in [0, 1).
         eps: added to the second moment's root (adamuon, namo) or its floor (normuon), >= 0.
     """
+
+    prefix: ClassVar[str] = "adaptive_muon"
 
     moment2_method: Moment2MethodT = field(
         default="adamuon",
@@ -56,8 +59,4 @@ class AdaptiveMuonConfig:
         Raises:
             ValueError: naming the ``adaptive_muon_`` field read.
         """
-        values = {f.name: getattr(config, f"adaptive_muon_{f.name}") for f in fields(cls)}
-        try:
-            return cls(**values)
-        except ValueError as error:  # every message starts with the field's name
-            raise ValueError(f"adaptive_muon_{error}") from None
+        return read_settings(cls, config)

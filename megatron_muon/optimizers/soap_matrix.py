@@ -16,14 +16,16 @@ state of the matrix, as its owner rank holds them (``sharded_soap``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from emerging_optimizers import utils as eo_utils
 from emerging_optimizers.scalar_optimizers import update_functions
 from emerging_optimizers.soap import soap as eo_soap
+
+from megatron_muon.optimizers.settings import read_settings
 
 __all__ = ["STATE_KEYS", "SoapConfig", "init_matrix_state", "soap_matrix_update"]
 
@@ -51,6 +53,8 @@ class SoapConfig:
             it), so only 1 runs exactly.
         use_kl_shampoo: KL-Shampoo's correction of the factors (SOAP's ``use_kl_shampoo``).
     """
+
+    prefix: ClassVar[str] = "soap"
 
     shampoo_beta: float = field(
         default=0.95, metadata=_help("decay of the Kronecker factors' running average, in [0, 1)")
@@ -83,11 +87,7 @@ class SoapConfig:
         Raises:
             ValueError: naming the ``soap_`` field read.
         """
-        values = {f.name: getattr(config, f"soap_{f.name}") for f in fields(cls)}
-        try:
-            return cls(**values)
-        except ValueError as error:  # every message starts with the field's name
-            raise ValueError(f"soap_{error}") from None
+        return read_settings(cls, config)
 
 
 def init_matrix_state(shape: tuple[int, int], device: torch.device) -> dict[str, Any]:

@@ -4,19 +4,19 @@ SOAP keeps whole-matrix state (``soap_matrix``): for an ``(m, n)`` matrix the Ad
 ``2 m n``, the Kronecker factors and their eigenbases ``2 m^2 + 2 n^2`` fp32 numbers, and does
 whole-matrix work every step (factor updates ``~ m n (m + n)``, eigenbasis refresh ``~ m^3 + n^3``,
 four projections ``~ m n (m + n)``). ``plan_soap_owners`` is ``engine.state_owners``'s planner
-with these costs (``SoapOwnerPlan``: its ``OwnerPlan``).
+with these costs (``SoapOwnerPlan``: the engine's ``StateOwnerPlan``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from megatron_muon.engine.state_owners import OwnerPlan, plan_state_owners
+from megatron_muon.engine.state_owners import StateOwnerPlan, plan_state_owners
 
 __all__ = ["SoapOwnerPlan", "plan_soap_owners", "soap_flops", "soap_state_bytes"]
 
-#: The plan ``plan_soap_owners`` returns (the engine's ``OwnerPlan``; the 0.1 name).
-SoapOwnerPlan = OwnerPlan
+#: The plan ``plan_soap_owners`` returns (the engine's ``StateOwnerPlan``; the 0.1 name).
+SoapOwnerPlan = StateOwnerPlan
 
 
 def soap_state_bytes(shape: tuple[int, int]) -> int:
@@ -33,7 +33,7 @@ def soap_flops(shape: tuple[int, int]) -> int:
     return 6 * 2 * m * n * (m + n) + 10 * (m**3 + n**3)
 
 
-def plan_soap_owners(shapes: Sequence[tuple[int, int]], num_ranks: int) -> OwnerPlan:
+def plan_soap_owners(shapes: Sequence[tuple[int, int]], num_ranks: int) -> StateOwnerPlan:
     """One owner per ``(m, n)`` matrix over ``num_ranks`` ranks, SOAP's state bytes and FLOPs
     balanced (``engine.state_owners.plan_state_owners``). Deterministic: a function of ``shapes``
     and ``num_ranks`` only.
