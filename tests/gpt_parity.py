@@ -519,3 +519,33 @@ def relative_errors(per_rank: list[dict[str, tuple]]) -> dict[str, float]:
                 pieces[(start, stop)] = max(pieces.get((start, stop), 0.0), squared)
         errors[name] = (sum(pieces.values()) ** 0.5) / max(norm, 1e-12)
     return errors
+
+
+def _rows_by_name(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:
+    """name -> (first row, this rank's rows) of every optimizer param's ``attribute`` (``data``
+    or ``grad``; a rank holding no rows has ``grad is None``)."""
+    from megatron_muon.engine.layout import local_tensor
+
+    out = {}
+    for name, param in named.items():
+        local = local_tensor(param.detach())
+        value = getattr(param, attribute)
+        rows = local_tensor(value.detach()).clone() if value is not None else local * 0
+        row_numel = max(1, local.shape[1:].numel())
+        full_rows = tuple(local.shape) == tuple(param.shape)
+        start = 0 if full_rows else param.megatron_fsdp_slice.start // row_numel
+        out[_strip(name)] = (start, rows)
+    return out
+
+
+def whole_by_name(named: dict, attribute: str) -> dict[str, torch.Tensor]:
+    """name -> the whole ``attribute`` tensor, from every rank's rows (one all_gather_object)."""
+    import torch.distributed as dist
+
+    pieces: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, _rows_by_name(named, attribute))
+    whole = {}
+    for name in pieces[0]:
+        rows = sorted({(p[name][0], p[name][1].shape[0]): p[name][1] for p in pieces}.items())
+        whole[name] = torch.cat([r for (_, _), r in rows])
+    return whole

@@ -22,7 +22,6 @@ from tests import gpt_parity
 from tests.factory_gpt_runs import PARITY_STEPS
 from tests.gpt_parity import SEQ, Run
 from tests.soap_reference import EAGER
-from tests.test_factory_soap import _whole
 
 NAMES = ("psgd_pro", "rekls")
 SHAMPOO_BETA = 0.9
@@ -83,7 +82,7 @@ def _train_run(name: str, rank: int, world_size: int) -> dict:
         gpt_parity.loss_of(wrapped, *mine).backward()
         ok, _, _ = optimizer.step()
         assert ok
-        for param_name, grad in _whole(named, "grad").items():
+        for param_name, grad in gpt_parity.whole_by_name(named, "grad").items():
             reference_params[param_name].grad = grad
         if name == "rekls":
             matrix_references[0].step()
@@ -92,7 +91,7 @@ def _train_run(name: str, rank: int, world_size: int) -> dict:
                 torch.manual_seed(i * 2**31 + owned.step_seed)
                 by_param[id(param)].step()
         others[0].step()
-    ours = _whole(named, "data")
+    ours = gpt_parity.whole_by_name(named, "data")
     compared = {n: (ours[n], p.detach().clone()) for n, p in reference_params.items()}
     routed = {gpt_parity._strip(r.name): r.optimizer for r in optimizer.routing}
     return {"params": compared, "routed": routed, "summary": list(optimizer.summary_lines)}

@@ -40,36 +40,6 @@ RUNS = [(Run("mcore", strategy), False) for strategy in STRATEGIES]
 RUNS.append((Run("mcore", "optim_grads_params"), True))
 
 
-def _rows(named: dict, attribute: str) -> dict[str, tuple[int, torch.Tensor]]:
-    """name -> (first row, this rank's rows) of every optimizer param's ``attribute`` (``data``
-    or ``grad``; a rank holding no rows has ``grad is None``)."""
-    from megatron_muon.engine.layout import local_tensor
-
-    out = {}
-    for name, param in named.items():
-        local = local_tensor(param.detach())
-        value = getattr(param, attribute)
-        rows = local_tensor(value.detach()).clone() if value is not None else local * 0
-        row_numel = max(1, local.shape[1:].numel())
-        full_rows = tuple(local.shape) == tuple(param.shape)
-        start = 0 if full_rows else param.megatron_fsdp_slice.start // row_numel
-        out[gpt_parity._strip(name)] = (start, rows)
-    return out
-
-
-def _whole(named: dict, attribute: str) -> dict[str, torch.Tensor]:
-    """name -> the whole ``attribute`` tensor, from every rank's rows (one all_gather_object)."""
-    import torch.distributed as dist
-
-    pieces: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, _rows(named, attribute))
-    whole = {}
-    for name in pieces[0]:
-        rows = sorted({(p[name][0], p[name][1].shape[0]): p[name][1] for p in pieces}.items())
-        whole[name] = torch.cat([r for (_, _), r in rows])
-    return whole
-
-
 def _train_run(run: Run, moe: bool, rank: int, world_size: int) -> dict:
     """name -> (ours, the reference's) whole param after ``PARITY_STEPS`` steps; routing and
     summary."""
@@ -88,11 +58,11 @@ def _train_run(run: Run, moe: bool, rank: int, world_size: int) -> dict:
         gpt_parity.loss_of(wrapped, *mine).backward()
         ok, _, _ = optimizer.step()
         assert ok
-        for name, grad in _whole(named, "grad").items():
+        for name, grad in gpt_parity.whole_by_name(named, "grad").items():
             reference_params[name].grad = grad
         for reference_optimizer in reference.optimizers:
             reference_optimizer.step()
-    ours = _whole(named, "data")
+    ours = gpt_parity.whole_by_name(named, "data")
     compared = {name: (ours[name], p.detach().clone()) for name, p in reference_params.items()}
     routed = {gpt_parity._strip(r.name): (r.optimizer, r.is_expert) for r in optimizer.routing}
     return {"params": compared, "routed": routed, "summary": list(optimizer.summary_lines)}
