@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
+from tests.megatron_lm_logs import max_relative_difference
 from tests.torchrun import MegatronRun, run_megatron
 
 DeviceT = Literal["cpu", "cuda"]
@@ -113,16 +114,6 @@ def default_workers(device: DeviceT) -> int:
     so one per core on CPU; on a GPU machine half its cores (imports and start-up are CPU work)."""
     cores = os.cpu_count() or 1
     return max(1, cores if device == "cpu" else cores // 2)
-
-
-def max_relative_difference(values: list[float | None], reference: list[float | None]) -> float:
-    """max_i |values_i - reference_i| / |reference_i| over iterations; both complete."""
-    if len(values) != len(reference):
-        raise AssertionError(f"runs of different lengths:\n{values}\n{reference}")
-    pairs = [(v, r) for v, r in zip(values, reference, strict=True) if None not in (v, r)]
-    if len(pairs) != len(values):
-        raise AssertionError(f"incomplete runs or skipped steps:\n{values}\n{reference}")
-    return max(abs(v - r) / abs(r) for v, r in pairs)
 
 
 @dataclass(frozen=True)

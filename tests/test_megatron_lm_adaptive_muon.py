@@ -9,8 +9,10 @@ Launched, for each second-moment method (adamuon, normuon, namo) under each shar
 (no_shard, optim, optim_grads, optim_grads_params): the reference is the fixed stock class on one
 rank without Megatron-FSDP (one launch per method); ours is ``ShardedAdaptiveMuon`` under
 ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2 (one launch per method and strategy).
-8 iterations' losses and grad norms agree to the printed digits (``RELATIVE_TOLERANCE``;
-Newton-Schulz in fp32, ``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why).
+8 iterations' losses agree to the printed digits (``RELATIVE_TOLERANCE``; Newton-Schulz in fp32,
+``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why), their full-precision
+grad norms to ``ADAPTIVE_MUON_GRAD_NORM_TOLERANCE`` (tests/megatron_lm_logs.py says why; the
+log's 4 printed digits flip on a 1e-7 difference, as on an AVX2-only AMD Zen 3 host).
 The GPT uses rotary position embeddings: stock megatron-core routes a learned position embedding
 to the matrix optimizer (it carries no embedding tag) where ours routes it to AdamW
 (``fsdp.routing``). The normuon optim_grads_params run saves at 4 and 8; a run resumed from 4 in
@@ -40,9 +42,11 @@ import torch
 
 from tests.fsdp_models import STRATEGIES
 from tests.megatron_lm_logs import (
+    ADAPTIVE_MUON_GRAD_NORM_TOLERANCE,
     assert_loss_falls,
     assert_resumed_bitwise,
     assert_same_losses,
+    max_relative_difference,
 )
 from tests.muon_reference import full_tensor
 from tests.torchrun import MegatronRun, run_megatron
@@ -200,7 +204,11 @@ def test_adaptive_muon_on_megatron_fsdp_equals_the_stock_optimizer_on_one_rank(
         assert len(matrix) == 1 and f"strategy {strategy}," in matrix[0], described["summary"]
     assert_loss_falls(losses)
     assert_same_losses(losses, reference.series("lm loss"))
-    assert_same_losses(run.series("grad norm"), reference.series("grad norm"))
+    # The full-precision grad norms (the log prints 4 digits, where a 1e-7 difference can flip
+    # the last one).
+    difference = max_relative_difference(run.grad_norms, reference.grad_norms)
+    print(f"{method} {strategy}: grad norms' largest relative difference {difference:.1e}")
+    assert difference <= ADAPTIVE_MUON_GRAD_NORM_TOLERANCE, (run.grad_norms, reference.grad_norms)
 
 
 @pytest.mark.multirank
