@@ -49,7 +49,6 @@ import pytest
 
 from tests.fsdp_models import STRATEGIES
 from tests.megatron_lm_logs import (
-    assert_loss_falls,
     assert_resaved_bitwise,
     assert_resumed_bitwise,
     assert_same_losses,
@@ -140,9 +139,13 @@ def test_soap_in_megatron_lms_loop_equals_stock_soap_on_one_rank_for_each_strate
         summary = described["summary"]
         assert any("SOAP[dense]" in line for line in summary), summary
         assert any(f"strategy {strategy}" in line for line in summary), summary
-    assert_loss_falls(losses, NUM_ITERS)
     assert_same_losses(losses, stock_soap.series("lm loss"))
     assert_same_losses(run.series("grad norm"), stock_soap.series("grad norm"))
+    # The weights change (a run that never installed its updates would print one loss 8 times).
+    # Not "the loss falls 5%": SOAP at these flags wanders where the CPU's kernels round otherwise,
+    # megatron-core's own as ours (on an AVX2-only AMD Zen 3 host both printed 4.870762, 4.801923,
+    # 4.880783, 4.810915, 4.851589, 5.404657, 4.917895, 4.815292).
+    assert len(set(losses)) == NUM_ITERS, losses
 
 
 @pytest.mark.multirank
