@@ -7,6 +7,9 @@ the per-iteration values parsed from the loop's own log lines (``lm loss``, ``gr
 and what the driver printed after training (param row layouts). On a timeout every process is
 killed and ``TorchrunTimeout`` names the ranks that never printed the driver's end marker; a
 non-zero exit raises ``TorchrunFailure`` with the tail of each rank's output.
+
+On CPU the ranks are forked from a process that imported Megatron once, with torchrun's worker
+environment and log layout (``tests/forked_launch.py`` says why and when torchrun itself runs).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests import forked_launch
 from tests.multirank import require_multirank_marker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +173,8 @@ def run_megatron(
     check: bool = True,
     megatron_fsdp: bool = True,
 ) -> MegatronRun:
-    """Runs the example under torchrun on ``nproc`` CPU ranks and parses what the loop printed.
+    """Runs the example on ``nproc`` CPU ranks (forked, or under torchrun) and parses what the
+    loop printed.
 
     Args:
         script_args: Megatron flags after ``TINY_GPT_CPU_FLAGS`` (later flags win in argparse).
@@ -218,6 +223,11 @@ def run_megatron(
         **(env or {}),
     }
     start = time.monotonic()
+    if forked_launch.can_fork(target):
+        returncode = forked_launch.run_forked(
+            [*target, *script_args], nproc, log_dir, run_env, REPO, timeout
+        )
+        return _parse_launch(log_dir, nproc, returncode, "", start, timeout, wait_for_marker, check)
     process = subprocess.Popen(
         command,
         cwd=REPO,
@@ -232,6 +242,25 @@ def run_megatron(
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         launcher_output, _ = process.communicate()
+        return _parse_launch(log_dir, nproc, None, "", start, timeout, wait_for_marker, check)
+    return _parse_launch(
+        log_dir, nproc, process.returncode, launcher_output, start, timeout, wait_for_marker, check
+    )
+
+
+def _parse_launch(
+    log_dir: Path,
+    nproc: int,
+    returncode: int | None,
+    launcher_output: str,
+    start: float,
+    timeout: float,
+    wait_for_marker: bool,
+    check: bool,
+) -> MegatronRun:
+    """The ``MegatronRun`` of a finished launch (``returncode``; ``None``: it timed out, which
+    raises ``TorchrunTimeout`` naming the ranks without the end marker)."""
+    if returncode is None:
         outputs = _read_ranks(log_dir, nproc)
         stuck = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
         if not wait_for_marker:  # no end marker: name every rank
@@ -239,17 +268,17 @@ def run_megatron(
         tails = _failure_tails(log_dir, nproc, stuck)
         raise TorchrunTimeout(
             f"ranks {stuck} of {nproc} did not finish within {timeout:.0f} s\n{tails}"
-        ) from None
+        )
     wall_s = time.monotonic() - start
     outputs = _read_ranks(log_dir, nproc)
-    if process.returncode != 0 and check:
+    if returncode != 0 and check:
         tails = _failure_tails(log_dir, nproc, list(range(nproc)))
         raise TorchrunFailure(
-            f"torchrun exited with {process.returncode}\n{tails}\n--- launcher ---\n"
+            f"the launch exited with {returncode}\n{tails}\n--- launcher ---\n"
             f"{launcher_output[-2000:]}"
         )
     not_done = [rank for rank in range(nproc) if DONE_MARKER not in outputs.get(rank, "")]
-    if not_done and wait_for_marker and process.returncode == 0:
+    if not_done and wait_for_marker and returncode == 0:
         raise TorchrunFailure(f"ranks {not_done} exited 0 without finishing the driver")
     iterations: dict[int, dict[str, float]] = {}
     layouts: dict[int, dict[str, list[int]]] = {}
@@ -264,6 +293,4 @@ def run_megatron(
                 optimizers[rank] = json.loads(line[len(OPTIMIZER_MARKER) :])
             elif line.startswith(GRAD_NORMS_MARKER) and rank == 0:
                 grad_norms = json.loads(line[len(GRAD_NORMS_MARKER) :])
-    return MegatronRun(
-        iterations, layouts, outputs, wall_s, optimizers, grad_norms, process.returncode
-    )
+    return MegatronRun(iterations, layouts, outputs, wall_s, optimizers, grad_norms, returncode)
