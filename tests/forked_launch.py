@@ -14,7 +14,8 @@ non-zero (after ``FAILURE_GRACE_S``, so that every rank that refuses a run print
 Importing ``PRELOAD`` first changes nothing a run computes: it is the order the test driver
 imports in anyway (``megatron.training.training`` before the example's ``install()``), and no
 module of it reads the per-launch environment at import. A zygote serves launches with one
-environment; a launch with another (``run_megatron(env=...)``) gets its own zygote.
+environment; a launch with another (``run_megatron(env=...)``, or a variable a test set) gets its
+own zygote, and the ``MAX_ZYGOTES`` most recently used stay.
 
 torchrun itself stays in the tests that need it (``--max-restarts``, the agent's store, signals:
 ``tests/test_torchrun_restarts.py``), on a GPU (CUDA cannot be used in a forked child of a process
@@ -43,6 +44,7 @@ PRELOAD = (
     "megatron_muon.cpu_stand_ins",
 )
 FAILURE_GRACE_S = 5.0
+MAX_ZYGOTES = 2
 LAUNCHER_VARIABLE = "MEGATRON_MUON_TEST_LAUNCHER"
 _READY = "ZYGOTE_READY"
 # Set by pytest for each test; left out, so that one zygote serves every test.
@@ -66,30 +68,42 @@ class _Zygote:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
-            text=True,
         )
+        self._received = b""  # read from the pipe, not yet returned as a line
+        self.leader: int | None = None  # the last launch's leader (its process group)
         ready = self._read_line(timeout=300.0)
         if ready != _READY:
             raise RuntimeError(f"the launch zygote did not start ({ready!r}); see {self.log.name}")
 
     def _read_line(self, timeout: float) -> str | None:
-        """The zygote's next reply line, or ``None`` after ``timeout`` seconds."""
+        """The zygote's next reply line, or ``None`` after ``timeout`` seconds. Reads the pipe's
+        file descriptor itself: a buffered reader may hold the next line already, which
+        ``select`` on the descriptor cannot see."""
         assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the launch zygote exited; see {self.log.name}")
-        return line.strip()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._received:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([self.process.stdout], [], [], max(remaining, 0.0))
+            if not ready:
+                return None
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"the launch zygote exited; see {self.log.name}")
+            self._received += chunk
+        line, self._received = self._received.split(b"\n", 1)
+        return line.decode().strip()
 
     def launch(self, request: dict, timeout: float) -> int | None:
         """Runs one launch; its exit code (torchrun's: 0, or 1 when a rank failed), or ``None``
         when it ran past ``timeout`` seconds (every rank is then killed)."""
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.write((json.dumps(request) + "\n").encode())
         self.process.stdin.flush()
-        leader = int(json.loads(self._read_line(timeout=60.0) or "null")["leader"])
+        started = self._read_line(timeout=60.0)
+        if started is None:
+            raise RuntimeError(f"the launch zygote did not fork a launch; see {self.log.name}")
+        leader = int(json.loads(started)["leader"])
+        self.leader = leader
         reply = self._read_line(timeout=timeout)
         if reply is None:
             try:
@@ -99,6 +113,17 @@ class _Zygote:
             self._read_line(timeout=60.0)  # the zygote reports the killed leader
             return None
         return int(json.loads(reply)["returncode"])
+
+    def kill(self) -> None:
+        """Ends the zygote and its launch at once (a launch interrupted half-way, whose replies
+        would answer the next request)."""
+        if self.leader is not None:
+            try:
+                os.killpg(self.leader, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.kill()
+        self.process.wait()
 
     def close(self) -> None:
         if self.process.stdin is not None:
@@ -110,14 +135,12 @@ class _Zygote:
 
 
 _zygotes: dict[tuple[tuple[str, str], ...], _Zygote] = {}
+_lock = threading.Lock()
 
 
 def _close_all() -> None:
     for zygote in _zygotes.values():
         zygote.close()
-
-
-atexit.register(_close_all)
 
 
 def can_fork(target: list[str]) -> bool:
@@ -148,16 +171,32 @@ def run_forked(
     Returns the exit code (0, or 1 when a rank failed), or ``None`` on a timeout.
     """
     env = {name: value for name, value in env.items() if name not in _PER_TEST_VARIABLES}
-    key = tuple(sorted(env.items()))
-    if key not in _zygotes:
-        _zygotes[key] = _Zygote(env, cwd)
     request = {
         "target": target,
         "nproc": nproc,
         "log_dir": str(log_dir / "forked" / "attempt_0"),
-        "master_port": _free_port(),
     }
-    return _zygotes[key].launch(request, timeout)
+    key = tuple(sorted(env.items()))
+    with _lock:  # launches from several threads (tests/stock_parity.py) take turns
+        return _launch_on_zygote(key, env, cwd, request, timeout)
+
+
+def _launch_on_zygote(
+    key: tuple[tuple[str, str], ...], env: dict[str, str], cwd: Path, request: dict, timeout: float
+) -> int | None:
+    request = {**request, "master_port": _free_port()}
+    if not _zygotes:
+        atexit.register(_close_all)  # the test process's exit ends every zygote
+    if key not in _zygotes:
+        while len(_zygotes) >= MAX_ZYGOTES:  # about 1 GB each: end the least recently used
+            _zygotes.pop(next(iter(_zygotes))).close()
+        _zygotes[key] = _Zygote(env, cwd)
+    _zygotes[key] = _zygotes.pop(key)  # the most recently used last
+    try:
+        return _zygotes[key].launch(request, timeout)
+    except BaseException:  # e.g. pytest-timeout: this zygote's next reply would be stale
+        _zygotes.pop(key).kill()
+        raise
 
 
 # --------------------------------------------------------------------------------------------------
