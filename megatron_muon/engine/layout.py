@@ -62,6 +62,15 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
+def new_member_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of the global ``ranks``, this rank among them (collective over ``ranks``
+    alone: ``use_local_synchronization``). torch >= 2.14 types ``new_group``'s result as a group or
+    ``GroupMember.NON_GROUP_MEMBER``; a member always gets the group."""
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    assert isinstance(group, dist.ProcessGroup), f"rank {dist.get_rank()} not in {ranks}"
+    return group
+
+
 @dataclass(frozen=True, slots=True)
 class TensorParallelSplit:
     """A tensor-parallel mesh axis that splits a param: tensor dim ``dim`` over ``ranks``.

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_muon.common.options import FsdpModeT
 from megatron_muon.engine.exchange import COLLECTIVE_SCOPE, OwnerExchange
 from megatron_muon.engine.gather_exchange import GatherExchange
+from megatron_muon.engine.layout import new_member_group
 from megatron_muon.engine.ns_runner import NSRunner, StepStats
 from megatron_muon.engine.step_plan import MatrixPlan, StepPlan
 
@@ -250,5 +251,5 @@ def create_split_groups(
         members = [global_ranks[r] for r in range(first, first + size)]
         if members != sorted(members):
             raise ValueError("split NS needs data-parallel ranks in increasing global order")
-        groups[(first, size)] = dist.new_group(members, use_local_synchronization=True)
+        groups[(first, size)] = new_member_group(members)
     return groups

@@ -60,6 +60,7 @@ from megatron_muon.engine.layout import (
     all_gather_single,
     group_ranks,
     mesh_axes,
+    new_member_group,
     ranks_along,
 )
 from megatron_muon.engine.qkv import join_qkv, split_qkv
@@ -151,7 +152,7 @@ class GridLayouts:
         Collective over the grid's ranks (``new_group`` with local synchronization, so grids of
         other pipeline stages or expert groups need not take part, and one ``all_gather``).
         """
-        group = dist.new_group(list(ranks), use_local_synchronization=True)
+        group = new_member_group(list(ranks))
         size = len(ranks)
         dp_ranks = group_ranks(dp_group)
         dp_rank = dist.get_rank(dp_group) if dist.get_world_size(dp_group) > 1 else 0
