@@ -45,7 +45,8 @@ import torch
 from megatron_muon.cli.pretrain_args import add_pretrain_args, config_flags, config_path, parser
 from megatron_muon.cli.pretrain_data import datasets_provider, forward_step
 from megatron_muon.cli.pretrain_defaults import default_flags, has_transformer_engine
-from megatron_muon.integrations import checkpoint_guard, megatron_lm, megatron_lm_progress
+from megatron_muon.integrations import megatron_lm, megatron_lm_progress
+from megatron_muon.integrations.checkpoint_guards import adam_state
 from megatron_muon.integrations.megatron_lm_progress import RunLog
 
 __all__ = ["main", "add_pretrain_args", "config_flags", "RunLog", "scheduler_mismatch_message"]
@@ -75,7 +76,7 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
     megatron_lm.install()
-    checkpoint_guard.install()  # Adam state on every rank (so a mismatched --load is refused)
+    adam_state.install()  # Adam state on every rank (so a mismatched --load is refused)
     user_flags = list(sys.argv[1:] if argv is None else argv)
     try:
         config_file = config_path(user_flags)

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {layer: set(_CORE[:index]) for index, layer in en
     "cpu_stand_ins": {"common"},
     "plan": {"common", "newton_schulz", "engine"},
     # The deprecated module paths of 0.1 (megatron_muon.sharded.*), aliased by name at import time.
-    "sharded": set(),
+    "sharded": {"common"},
     "integrations": {*_CORE, "cpu_stand_ins"},
     "cli": {*_CORE, "cpu_stand_ins", "integrations"},
     "testing": {"common", "cpu_stand_ins"},

@@ -1,9 +1,9 @@
 """A checkpoint saved with one ``--optimizer`` and loaded with another is refused naming both.
 
-``integrations.checkpoint_optimizer_kind.state_kinds_refusal`` on the per-param optimizer state
-keys each optimizer's run holds in Megatron-LM's loop under Megatron-FSDP (Muon, adaptive Muon,
-Lion and Adam: the matrices' state beside AdamW's for embeddings, norms and biases). Lion's and
-Adam's key names are the same; they differ per param (Lion's matrices hold ``exp_avg`` alone);
+``integrations.checkpoint_guards.optimizer_kind.state_kinds_refusal`` on the per-param optimizer
+state keys each optimizer's run holds in Megatron-LM's loop under Megatron-FSDP (Muon, adaptive
+Muon, Lion and Adam: the matrices' state beside AdamW's for embeddings, norms and biases). Lion's
+and Adam's key names are the same; they differ per param (Lion's matrices hold ``exp_avg`` alone);
 SOAP's matrices hold Kronecker factors. A ``.metadata`` that does not read is named before the
 comparison. Launched: a Muon checkpoint into an Adam run through ``python -m
 megatron_muon.pretrain`` (tests/test_pretrain_entry.py), a Lion checkpoint into a SOAP run in
@@ -34,7 +34,7 @@ STATE = {
 
 @pytest.mark.parametrize("saved, loading", list(itertools.permutations(STATE, 2)))
 def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(saved: str, loading: str) -> None:
-    from megatron_muon.integrations.checkpoint_optimizer_kind import state_kinds_refusal
+    from megatron_muon.integrations.checkpoint_guards.optimizer_kind import state_kinds_refusal
 
     refusal = state_kinds_refusal(STATE[saved], STATE[loading], loading, "/ckpt", "/ckpt/iter_4")
     assert refusal is not None, (saved, loading)
@@ -44,7 +44,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(saved: str, lo
 
 @pytest.mark.parametrize("optimizer", list(STATE))
 def test_a_checkpoint_of_the_same_optimizer_loads(optimizer: str) -> None:
-    from megatron_muon.integrations.checkpoint_optimizer_kind import (
+    from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
         optimizer_of_state,
         state_kinds_refusal,
     )
@@ -57,7 +57,9 @@ def test_a_checkpoint_whose_metadata_does_not_read_is_refused_naming_the_file(
     tmp_path: Path,
 ) -> None:
     from megatron_muon.checkpointing import IncompleteCheckpointError
-    from megatron_muon.integrations.checkpoint_optimizer_kind import check_optimizer_state_kinds
+    from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
+        check_optimizer_state_kinds,
+    )
 
     directory = tmp_path / "iter_0000004"
     directory.mkdir()
@@ -85,7 +87,7 @@ def _adaptive_muon_checkpoint(directory: Path, method: str, tp: int) -> None:
 def test_per_partition_second_moments_at_another_tp_size_are_refused_naming_both(
     tmp_path: Path, method: str
 ) -> None:
-    from megatron_muon.integrations.checkpoint_optimizer_kind import tensor_parallel_refusal
+    from megatron_muon.integrations.checkpoint_guards.optimizer_kind import tensor_parallel_refusal
 
     _adaptive_muon_checkpoint(tmp_path, method, tp=2)
     saved = STATE["adaptive_muon"]
@@ -99,7 +101,7 @@ def test_per_partition_second_moments_at_another_tp_size_are_refused_naming_both
 
 
 def test_elementwise_second_moments_load_at_any_tp_size(tmp_path: Path) -> None:
-    from megatron_muon.integrations.checkpoint_optimizer_kind import tensor_parallel_refusal
+    from megatron_muon.integrations.checkpoint_guards.optimizer_kind import tensor_parallel_refusal
 
     _adaptive_muon_checkpoint(tmp_path, "adamuon", tp=2)
     at_1 = argparse.Namespace(load="ckpts", tensor_model_parallel_size=1)

@@ -1,7 +1,8 @@
-"""What 0.1 spelled otherwise still works for one release (0.2), with a ``DeprecationWarning``
-naming the new spelling: the module paths ``megatron_muon.sharded.<module>`` (each gives the new
-module itself, so classes are the same objects) and ``ShardedMuon``'s flat constructor keywords
-(the same configs as ``ShardedMuon.from_keywords``, so the same steps)."""
+"""What an earlier release spelled otherwise still works for one more, with a ``DeprecationWarning``
+naming the new spelling: the module paths ``megatron_muon.sharded.<module>`` (0.1) and
+``megatron_muon.integrations.checkpoint_*`` (0.2; each gives the new module itself, so classes are
+the same objects) and ``ShardedMuon``'s flat constructor keywords (the same configs as
+``ShardedMuon.from_keywords``, so the same steps)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from megatron_muon.integrations import MOVED as MOVED_GUARDS
 from megatron_muon.sharded import MOVED
 
 
@@ -21,6 +23,14 @@ def test_old_module_path_warns_naming_the_new_one_and_is_the_new_module(old: str
     with pytest.warns(DeprecationWarning, match=rf"import {MOVED[old]}$"):
         module = importlib.import_module(f"megatron_muon.sharded.{old}")
     assert module is importlib.import_module(MOVED[old])
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_GUARDS))
+def test_old_checkpoint_guard_path_warns_naming_the_new_one_and_is_the_new_module(old: str) -> None:
+    sys.modules.pop(f"megatron_muon.integrations.{old}", None)
+    with pytest.warns(DeprecationWarning, match=rf"import {MOVED_GUARDS[old]}$"):
+        module = importlib.import_module(f"megatron_muon.integrations.{old}")
+    assert module is importlib.import_module(MOVED_GUARDS[old])
 
 
 def test_from_import_of_an_old_class_path_gives_the_same_class_with_one_warning() -> None:

@@ -176,7 +176,8 @@ def test_a_lion_checkpoint_loaded_into_a_soap_run_is_refused_naming_both(
 ) -> None:
     # Megatron-LM's loop with install() alone (not the pretrain entry point); without the check
     # Megatron's partial load waits in collectives for state the checkpoint does not hold
-    # (measured for a Muon checkpoint loaded into Adam: integrations.checkpoint_optimizer_kind).
+    # (measured for a Muon checkpoint loaded into Adam:
+    # integrations.checkpoint_guards.optimizer_kind).
     lion_dp2("optim_grads_params", checkpoint_root)
     flags = [flag if flag != "lion" else "soap" for flag in LION_FLAGS]
     with pytest.raises(TorchrunFailure) as failure:

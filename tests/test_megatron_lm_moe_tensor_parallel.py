@@ -206,7 +206,7 @@ def test_a_checkpoint_of_another_vocab_padding_is_refused_naming_the_flag(runs: 
 
 
 def test_divisors_padding_to_are_the_flag_values_that_pad_alike() -> None:
-    from megatron_muon.integrations.checkpoint_vocab import divisors_padding_to
+    from megatron_muon.integrations.checkpoint_guards.vocab import divisors_padding_to
 
     # The case: saved at TP = 2 with the default 128 (256 rows), loaded at TP = 1.
     assert divisors_padding_to(128, 256, 1) == [256]

@@ -1,5 +1,5 @@
 """Storage faults in Megatron-LM's loop with Muon on Megatron-FSDP: nothing half-saved, nothing
-half-loaded, no rank left waiting (``megatron_muon.integrations.checkpoint_integrity``).
+half-loaded, no rank left waiting (``megatron_muon.integrations.checkpoint_guards.integrity``).
 
 Three launches of ``examples/pretrain_gpt_megatron.py`` (``tests/torchrun.py``: 2 CPU ranks,
 optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
@@ -14,7 +14,7 @@ optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
 4. ``--load`` of a copy whose ``.metadata`` is a pickle that runs ``touch`` (and whose ``args`` is
    one too), ``megatron_muon_files.json`` rewritten to match as an attacker would
    (``tests/crafted_pickles.py``): every rank refuses it naming the file and the global, and the
-   command never ran (stock: it ran); ``integrations.checkpoint_pickles``;
+   command never ran (stock: it ran); ``integrations.checkpoint_guards.pickles``;
 5. ``--load --ckpt-trust-pickles`` of a copy whose ``args`` holds a user's type outside the
    allowlist (refused without the flag, below) resumes: iterations 5 to 8 repeat bitwise.
 
@@ -221,7 +221,7 @@ def test_a_pickle_naming_another_global_is_refused_on_every_rank_and_never_runs(
     # The same check on args (a value DCP stores whole) and on a user's type, in this process
     # (without a process group each call raises its own error; the launch above showed every rank).
     from megatron_muon.checkpointing import UnsafeCheckpointError
-    from megatron_muon.integrations.checkpoint_pickles import check_checkpoint_pickles
+    from megatron_muon.integrations.checkpoint_guards.pickles import check_checkpoint_pickles
 
     for case, where, name in (
         ("payload_args", "(item args)", "posix.system"),
@@ -253,7 +253,7 @@ def test_with_ckpt_trust_pickles_a_checkpoint_holding_other_types_resumes_bitwis
 
 def _refusals(rank: int, world_size: int, loads: list[tuple[str, int | None]]) -> list[str]:
     """What ``check_checkpoint_files`` raised for each (``--load``, ``--ckpt-step``)."""
-    from megatron_muon.integrations.checkpoint_integrity import check_checkpoint_files
+    from megatron_muon.integrations.checkpoint_guards.integrity import check_checkpoint_files
 
     raised = []
     for load, ckpt_step in loads:

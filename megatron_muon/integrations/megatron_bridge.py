@@ -21,8 +21,9 @@ A recipe sets, in one line::
   checkpoints; Bridge's ``train_step`` reduces gradients before ``step()``, hence
   ``grads_already_synced``). fp16 is refused there.
 - "adam" with Megatron-FSDP: megatron-core's optimizer, with every param's Adam state created on
-  every rank at build (``checkpoint_guard.make_adam_state_rank_symmetric``): stock, a rank holding
-  no rows of a param gets no lazy state and the ``fsdp_dtensor`` save hangs. "sgd": Bridge's.
+  every rank at build (``checkpoint_guards.adam_state.make_adam_state_rank_symmetric``): stock, a
+  rank holding no rows of a param gets no lazy state and the ``fsdp_dtensor`` save hangs. "sgd":
+  Bridge's.
 - any other name with Megatron-FSDP (an emerging optimizer megatron-muon does not run on
   Megatron-FSDP's row shards): refused at build, naming it and the names that are built.
 - no Megatron-FSDP: what Bridge itself would build.
@@ -40,7 +41,7 @@ Building the config calls ``install()`` (idempotent), which applies, before Brid
    ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
 3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
 4. without a GPU, ``megatron_muon.cpu_stand_ins.install_for_bridge()``;
-5. Bridge's checkpoint load (``_load_checkpoint_from_path``) with ``megatron_bridge_checkpoint``'s
+5. Bridge's checkpoint load (``_load_checkpoint_from_path``) with ``checkpoint_guards.bridge``'s
    checks: an ``fsdp_dtensor`` checkpoint's pickles read restricted (``ckpt_trust_pickles``
    opts out), and another optimizer's state refused naming both optimizers.
 """
@@ -61,8 +62,9 @@ from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.engine.config import MuonFsdpConfig
 from megatron_muon.fsdp.qk_clip import QKClipConfig
-from megatron_muon.integrations import megatron_bridge_checkpoint, megatron_lm
-from megatron_muon.integrations.checkpoint_guard import make_adam_state_rank_symmetric
+from megatron_muon.integrations import megatron_lm
+from megatron_muon.integrations.checkpoint_guards import bridge as bridge_checkpoint
+from megatron_muon.integrations.checkpoint_guards.adam_state import make_adam_state_rank_symmetric
 from megatron_muon.integrations.megatron_version import check_megatron_core_version
 
 __all__ = [
@@ -133,7 +135,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     initialize.compile_helpers = datasets_utils.compile_helpers
     train: Any = importlib.import_module("megatron.bridge.training.train")
     train.clip_qk = _skipping_our_qk_clip(train.clip_qk)
-    megatron_bridge_checkpoint.install_load_checks()
+    bridge_checkpoint.install_load_checks()
     _INSTALLED = True
 
 
@@ -167,7 +169,7 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
             ``qk_clip*`` fields (``_model_qk_clip``).
         ckpt_trust_pickles: the ``fsdp_dtensor`` checkpoint ``checkpoint.load`` names is trusted:
             its pickles are read without the restricted unpickler (Megatron-LM's
-            ``--ckpt-trust-pickles``; ``megatron_bridge_checkpoint``). Only for a checkpoint
+            ``--ckpt-trust-pickles``; ``checkpoint_guards.bridge``). Only for a checkpoint
             whose pickles hold types outside the allowlist and whose origin you trust.
     """
 

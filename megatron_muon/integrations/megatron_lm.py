@@ -10,8 +10,9 @@ together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every
 soap, whose owner state needs a 1-D data-parallel mesh).
 
 What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
-``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_vocab``, 9 in ``checkpoint_integrity``, 10 in
-``restart_store``; plus the packaging fix 5 and the megatron-core fixes 6, 7, 8 and 11):
+``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_guards.vocab``, 9 in
+``checkpoint_guards.integrity``, 10 in ``restart_store``; plus the packaging fix 5 and the
+megatron-core fixes 6, 7, 8 and 11):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -52,13 +53,13 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
 4. ``load_checkpoint`` as ``megatron.training.training`` imported it: an ``fsdp_dtensor``
    checkpoint whose vocabulary padding differs from this run's (padding follows the
    tensor-parallel size) is refused before anything loads, with an error naming both sizes and
-   the ``--make-vocab-size-divisible-by`` that avoids it (``checkpoint_vocab``; stock megatron-core
-   stops inside the load with a bare size mismatch). Any optimizer: it raises only where Megatron's
-   load would fail. Then (``checkpoint_optimizer_kind``) a checkpoint whose optimizer state is
-   another ``--optimizer``'s (a Muon run's ``momentum_buffer`` loaded into a SOAP run, ...) is
-   refused naming both, where Megatron's partial load would wait in collectives for state the
-   checkpoint does not hold. Both run after 9's file check, so a damaged ``.metadata`` is named
-   there first.
+   the ``--make-vocab-size-divisible-by`` that avoids it (``checkpoint_guards.vocab``; stock
+   megatron-core stops inside the load with a bare size mismatch). Any optimizer: it raises only
+   where Megatron's load would fail. Then (``checkpoint_guards.optimizer_kind``) a checkpoint whose
+   optimizer state is another ``--optimizer``'s (a Muon run's ``momentum_buffer`` loaded into a
+   SOAP run, ...) is refused naming both, where Megatron's partial load would wait in collectives
+   for state the checkpoint does not hold. Both run after 9's file check, so a damaged
+   ``.metadata`` is named there first.
 5. ``megatron.core.datasets.utils.compile_helpers`` -> no-op when the wheel's built dataset helpers
    (``megatron.core.datasets.helpers_cpp``) import: the wheel ships them but not the Makefile that
    ``compile_helpers`` runs, so ``pretrain`` stops with "Failed to compile the C++ dataset helper
@@ -73,12 +74,12 @@ What ``install()`` patches, and why (seven functions, each wrapped, none copied;
    ignores ``--lion-beta1/2``; ``stock_lion.patch()`` makes it read them, as megatron-muon's Lion
    on Megatron-FSDP does (``stock_lion`` says where).
 9. ``save_checkpoint`` and ``load_checkpoint`` as ``megatron.training.training`` imported them,
-   for Muon with Megatron-FSDP and ``fsdp_dtensor`` (``checkpoint_integrity``): a save that
+   for Muon with Megatron-FSDP and ``fsdp_dtensor`` (``checkpoint_guards.integrity``): a save that
    fails (a full disk) stops every rank with one error naming the directory and the cause and
    removes the half-written directory; a finished save records each file's SHA-256; ``--load``
    refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
    anything loads. ``--async-save`` is refused in ``validate_args`` (2.). Then, any optimizer
-   (``checkpoint_pickles``): every pickle of an ``fsdp_dtensor`` checkpoint (``.metadata``,
+   (``checkpoint_guards.pickles``): every pickle of an ``fsdp_dtensor`` checkpoint (``.metadata``,
    ``args``, RNG and scheduler values) is read by a restricted unpickler on every rank, and one
    naming a global outside ``checkpointing.safe_unpickle``'s allowlist is refused naming the file
    and the global before any of it runs (stock: a crafted ``.metadata`` ran its code at
@@ -130,15 +131,17 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
 )
 from megatron_muon.integrations import (
     adaptive_muon_fix,
-    checkpoint_integrity,
     local_core_attention,
     mla_tensor_parallel,
     restart_store,
     stock_lion,
 )
-from megatron_muon.integrations.checkpoint_optimizer_kind import checking_optimizer_state_first
-from megatron_muon.integrations.checkpoint_pickles import refusing_unsafe_pickles
-from megatron_muon.integrations.checkpoint_vocab import checking_vocab_padding_first
+from megatron_muon.integrations.checkpoint_guards import integrity as checkpoint_integrity
+from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
+    checking_optimizer_state_first,
+)
+from megatron_muon.integrations.checkpoint_guards.pickles import refusing_unsafe_pickles
+from megatron_muon.integrations.checkpoint_guards.vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
     extra_args_provider,

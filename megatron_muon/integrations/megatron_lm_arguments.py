@@ -179,7 +179,7 @@ def _refuse_async_save(args: argparse.Namespace) -> None:
     megatron-core 0.19.2 (measured, 2 CPU ranks, ``--async-strategy mcore``: "TypeError:
     save_state_dict_async_plan() got an unexpected keyword argument 'enable_cache'", after the
     checkpoint directory was created; the default ``nvrx`` strategy needs nvidia-resiliency-ext),
-    and ``checkpoint_integrity`` records and checks files that must be whole when
+    and ``checkpoint_guards.integrity`` records and checks files that must be whole when
     ``save_checkpoint`` returns.
     """
     if getattr(args, "async_save", False):

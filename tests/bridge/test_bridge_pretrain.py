@@ -15,7 +15,7 @@ micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6 for Muon, 1.0e-7 
 (NorMuon) and 8.9e-8 for Lion (``-s`` prints them). A resumed run, and Adam with and without the
 integration, compute the same operations in the same order: bitwise. In the resumed run's launch
 the same Muon checkpoint loaded with Lion is refused on every rank naming both optimizers
-(``integrations.megatron_bridge_checkpoint``).
+(``integrations.checkpoint_guards.bridge``).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def test_muon_at_dp2_equals_dp1_under_each_sharding_strategy(strategy: str) -> N
 
 def loads_of_the_muon_checkpoint() -> tuple[BridgeRun, BridgeRun]:
     """One launch: Muon resumed from ``uninterrupted_run``'s checkpoint at ``SAVED_AT``, then
-    Lion loading the same checkpoint (refused: ``megatron_bridge_checkpoint``)."""
+    Lion loading the same checkpoint (refused: ``checkpoint_guards.bridge``)."""
     uninterrupted_run()  # saves the checkpoint
     loading = {"load": str(_CHECKPOINTS / "muon"), "ckpt_step": SAVED_AT}
     resumed, lion = bridge_runs(2, loading, {**emerging_spec("lion"), **loading, "refused": True})

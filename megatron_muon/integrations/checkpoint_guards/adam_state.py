@@ -10,8 +10,8 @@ distributed optimizer sharded state"). Here ``get_megatron_optimizer``'s Adam ge
 state at build time, without a step (``make_adam_state_rank_symmetric``), and before each save the
 per-param ``step`` counts are made equal over the param's ranks (a rank with 0 rows never stepped
 it; DCP keeps one rank's copy of such a replicated value). With that state, a ``--load`` of a
-checkpoint of another optimizer is refused for Adam runs too (``checkpoint_optimizer_kind``, which
-``megatron_lm.install()`` applies).
+checkpoint of another optimizer is refused for Adam runs too (``checkpoint_guards.optimizer_kind``,
+which ``megatron_lm.install()`` applies).
 
 Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
 """

@@ -10,13 +10,13 @@ load_bytes`` (``torch.load(weights_only=False)``). ``checking_bridge_load`` (app
 
 1. reads every pickle of the checkpoint directory the load reads (Bridge's own
    ``_resolve_checkpoint_iteration``: ``checkpoint.ckpt_step``, else its tracker) restricted
-   (``checkpoint_pickles.check_pickles_of``: the same ``UnsafeCheckpointError`` on every rank,
-   naming the file and the global), then runs the load with DCP's reads restricted
-   (``checkpoint_pickles.restricted_dcp_reads``);
+   (``checkpoint_guards.pickles.check_pickles_of``: the same ``UnsafeCheckpointError`` on every
+   rank, naming the file and the global), then runs the load with DCP's reads restricted
+   (``checkpoint_guards.pickles.restricted_dcp_reads``);
 2. compares the checkpoint's optimizer state keys with this run's optimizer's
-   (``checkpoint_optimizer_kind.refuse_another_optimizers_state``): a Muon checkpoint loaded with
-   ``optimizer="lion"`` raises ``CheckpointMismatchError`` naming both optimizers, where the load
-   would wait in collectives for state the checkpoint does not hold. Skipped with
+   (``checkpoint_guards.optimizer_kind.refuse_another_optimizers_state``): a Muon checkpoint loaded
+   with ``optimizer="lion"`` raises ``CheckpointMismatchError`` naming both optimizers, where the
+   load would wait in collectives for state the checkpoint does not hold. Skipped with
    ``checkpoint.load_optim=False`` or ``checkpoint.finetune`` (Bridge loads no optimizer state).
 
 ``MuonFsdpOptimizerConfig.ckpt_trust_pickles=True`` (Megatron-LM's ``--ckpt-trust-pickles``)
@@ -36,11 +36,14 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_muon.checkpointing import safe_unpickle
-from megatron_muon.integrations.checkpoint_optimizer_kind import (
+from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
     BRIDGE_NAMES,
     refuse_another_optimizers_state,
 )
-from megatron_muon.integrations.checkpoint_pickles import check_pickles_of, restricted_dcp_reads
+from megatron_muon.integrations.checkpoint_guards.pickles import (
+    check_pickles_of,
+    restricted_dcp_reads,
+)
 
 __all__ = ["bridge_checkpoint_directory", "checking_bridge_load", "install_load_checks"]
 

@@ -29,9 +29,9 @@ the table.
    (``checkpointing.files.verify``); without it (saved without ``install()``, or stopped between
    Megatron's tracker and the listing), every file ``.metadata`` references holds the bytes it
    references (``.metadata`` read by ``checkpointing.safe_unpickle``'s restricted unpickler:
-   ``checkpoint_pickles``). Every rank raises the same ``IncompleteCheckpointError`` naming the file
-   (``checkpointing.ranks.agree``). Stock: a truncated data file stopped the ranks with a bare
-   ``EOFError``, a truncated ``.metadata`` with "pickle data was truncated", neither naming the
+   ``checkpoint_guards.pickles``). Every rank raises the same ``IncompleteCheckpointError`` naming
+   the file (``checkpointing.ranks.agree``). Stock: a truncated data file stopped the ranks with a
+   bare ``EOFError``, a truncated ``.metadata`` with "pickle data was truncated", neither naming the
    file, and a flipped bit in a data file loaded silently.
 
 Not covered: a failure on one rank outside DCP's collective write (Megatron's own code between
@@ -57,8 +57,8 @@ from megatron_muon.checkpointing import CheckpointError, IncompleteCheckpointErr
 from megatron_muon.checkpointing import files as checkpoint_files
 from megatron_muon.checkpointing.ranks import agree
 from megatron_muon.checkpointing.safe_unpickle import read_metadata
-from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
-from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.pickles import trusts_pickles
 from megatron_muon.integrations.megatron_lm_arguments import muon_meets_megatron_fsdp
 
 __all__ = [

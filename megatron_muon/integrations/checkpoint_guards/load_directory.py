@@ -1,7 +1,7 @@
 """The checkpoint Megatron-LM's ``--load`` reads: its ``iter_XXXXXXX`` directory.
 
-Read by the load checks of ``checkpoint_vocab`` (applied by ``megatron_lm.install()``) and
-``checkpoint_guard`` (the entry point's), before Megatron's ``load_checkpoint`` runs.
+Read by the load checks of ``checkpoint_guards.vocab`` (applied by ``megatron_lm.install()``) and
+``checkpoint_guards.adam_state`` (the entry point's), before Megatron's ``load_checkpoint`` runs.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ from megatron_muon.checkpointing import (
     leaf_optimizers,
 )
 from megatron_muon.checkpointing.safe_unpickle import load_item
-from megatron_muon.integrations.checkpoint_pickles import trusts_pickles
-from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.pickles import trusts_pickles
 
 __all__ = [
     "BRIDGE_NAMES",

@@ -9,8 +9,8 @@ its ``read_metadata`` calls, the load itself. Measured on megatron-core 0.19.2 w
 SHA-256 in ``megatron_muon_files.json`` rewritten to match, ran the command at ``--load``.
 
 ``refusing_unsafe_pickles`` (applied by ``megatron_lm.install()`` to ``load_checkpoint``, inside
-``checkpoint_integrity``'s file check, which reads ``.metadata`` restricted too) first reads every
-pickle of the checkpoint ``--load`` names with ``checkpointing.safe_unpickle``'s restricted
+``checkpoint_guards.integrity``'s file check, which reads ``.metadata`` restricted too) first reads
+every pickle of the checkpoint ``--load`` names with ``checkpointing.safe_unpickle``'s restricted
 unpicklers on every rank (``check_pickles``) and raises the same ``UnsafeCheckpointError`` on
 every rank (``agree``), naming the file and the global, before anything else reads it; then
 Megatron's load runs with DCP's ``read_metadata`` and ``load_bytes`` reading restricted
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from megatron_muon.checkpointing import safe_unpickle
 from megatron_muon.checkpointing.ranks import agree
-from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
 
 __all__ = [
     "check_checkpoint_pickles",

@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from megatron_muon.checkpointing import CheckpointMismatchError
-from megatron_muon.integrations.megatron_checkpoint import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
 
 __all__ = ["check_vocab_padding", "checking_vocab_padding_first", "divisors_padding_to"]
 
