@@ -20,7 +20,7 @@ returns it). It adds
 
 - ``--ckpt-trust-pickles`` (``load_checkpoint(..., trust_pickles=True)`` in Megatron-LM's
   loop): the one opt-out of the restricted unpickling of checkpoints
-  (``megatron_muon.integrations.checkpoint_pickles``).
+  (``megatron_muon.integrations.checkpoint_guards.pickles``).
 
 Parsed flags become configs here: ``fsdp_config_from_args(args)`` (a ``MuonFsdpConfig``, what
 ``ShardedMuon`` takes) and ``qk_clip_config_from_args(args)`` (a ``QKClipConfig`` or None, what
