@@ -47,7 +47,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from megatron_muon.checkpointing.confined_files import (
+    check_storage_references,
+    confined_file,
+    open_regular,
+)
 from megatron_muon.checkpointing.errors import UnsafeCheckpointError
+from megatron_muon.checkpointing.metadata_unpickler import MetadataUnpickler
 
 __all__ = [
     "METADATA_NAME",
@@ -55,6 +61,7 @@ __all__ = [
     "RestrictedLoadPlanner",
     "allowed_globals",
     "check_pickles",
+    "check_saved_file",
     "load_item",
     "load_pickled",
     "read_metadata",
@@ -134,46 +141,62 @@ def allowed_globals() -> dict[str, Any]:
     return allowed
 
 
-def _refusal(where: str, name: str) -> UnsafeCheckpointError:
+def _refusal(where: str, what: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
-        f"{where}: refused to unpickle the global {name}, which is not a type a checkpoint "
-        "holds (megatron_muon.checkpointing.safe_unpickle.allowed_globals); nothing of this "
-        "pickle ran. Unpickling a checkpoint from elsewhere can run any code: if you trust this "
-        "checkpoint and it holds your own types (in extra), load it with trust_pickles=True "
-        "(Megatron-LM: --ckpt-trust-pickles)"
+        f"{where}: refused to unpickle {what}: not what a checkpoint holds "
+        "(megatron_muon.checkpointing.safe_unpickle.allowed_globals, metadata_unpickler); "
+        "nothing outside the allowlist ran. Unpickling a checkpoint from elsewhere can run any "
+        "code: if you trust this checkpoint and it holds your own types (in extra), load it "
+        "with trust_pickles=True (Megatron-LM: --ckpt-trust-pickles)"
     )
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` admits ``allowed_globals()`` only."""
-
-    def __init__(self, file: Any, where: str) -> None:
-        super().__init__(file)
-        self._where = where
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = allowed_globals().get(f"{module}.{name}")
-        if allowed is None:
-            raise _refusal(self._where, f"{module}.{name}")
-        return allowed
 
 
 def _load_metadata(stream: Any, where: str, trust_pickles: bool) -> Any:
     if trust_pickles:
         return pickle.load(stream)
-    return _RestrictedUnpickler(stream, where).load()
+    refuse = functools.partial(_refusal, where)
+    return MetadataUnpickler(stream, allowed_globals(), refuse).load()
 
 
 def read_metadata(directory: str, *, trust_pickles: bool = False) -> dcp_metadata.Metadata:
-    """DCP's ``Metadata`` of ``directory``, read restricted (``allowed_globals``).
+    """DCP's ``Metadata`` of ``directory``, read restricted (``allowed_globals``,
+    ``MetadataUnpickler``), every storage reference confined to the directory
+    (``confined_files``).
 
     Raises:
-        UnsafeCheckpointError: ``.metadata`` names another global (the file and the global named).
+        UnsafeCheckpointError: ``.metadata`` names another global, BUILDs what it did not create,
+            is not a regular file of the directory, or references a file outside it, a FIFO, a
+            device, or bytes past a file's end (the file and the reason named).
         OSError, pickle.UnpicklingError, EOFError: the file is missing or damaged.
     """
-    file = os.path.join(directory, METADATA_NAME)
-    with open(file, "rb") as stream:
-        return _load_metadata(stream, file, trust_pickles)
+    file, _ = confined_file(directory, METADATA_NAME)
+    with open_regular(file) as stream:
+        metadata = _load_metadata(stream, file, trust_pickles)
+    storage = getattr(metadata, "storage_data", None) or {}
+    check_storage_references(directory, storage.values())
+    return metadata
+
+
+class _EnumMember:
+    """``cls(value)``, named as enum ``cls`` to torch's ``weights_only`` unpickler: a REDUCE of an
+    enum returns its shared member, and that unpickler lets BUILD set state on any instance of an
+    allowlisted type; with this callable in the class's place the member's type is not one."""
+
+    def __init__(self, cls: type[enum.Enum]) -> None:
+        self._cls = cls
+
+    def __call__(self, *args: Any) -> enum.Enum:
+        return self._cls(*args)
+
+
+@functools.cache
+def _weights_only_globals() -> list[tuple[Any, str]]:
+    """``allowed_globals()`` as ``torch.serialization.safe_globals`` takes them, enums as
+    ``_EnumMember``."""
+    return [
+        (_EnumMember(obj) if isinstance(obj, type) and issubclass(obj, enum.Enum) else obj, name)
+        for name, obj in allowed_globals().items()
+    ]
 
 
 def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any:
@@ -188,14 +211,13 @@ def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any
     """
     if trust_pickles:
         return torch.load(io.BytesIO(data), weights_only=False)
-    safe: list[Any] = [(obj, name) for name, obj in allowed_globals().items()]
-    with torch.serialization.safe_globals(safe):
+    with torch.serialization.safe_globals(_weights_only_globals()):
         try:
             unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
         except ValueError:  # not torch.save's zip format: torch.load below decides
             unsafe = []
         if unsafe:
-            raise _refusal(where, unsafe[0])
+            raise _refusal(where, f"the global {unsafe[0]}")
         try:
             return torch.load(io.BytesIO(data), weights_only=True)
         except pickle.UnpicklingError as error:
@@ -208,7 +230,7 @@ def load_pickled(data: bytes, where: str, *, trust_pickles: bool = False) -> Any
 
 def _stored_bytes(directory: str, info: _StorageInfo) -> tuple[str, bytes]:
     file = os.path.join(directory, info.relative_path)
-    with open(file, "rb") as stream:
+    with open_regular(file) as stream:
         stream.seek(info.offset)
         return file, stream.read(info.length)
 
@@ -255,6 +277,20 @@ def check_pickles(directory: str) -> dcp_metadata.Metadata:
     return metadata
 
 
+def check_saved_file(directory: str, name: str) -> None:
+    """``torch.save`` file ``name`` of checkpoint ``directory`` (megatron-core's ``common.pt``),
+    confined (``confined_files``) and read restricted (``load_pickled``).
+
+    Raises:
+        UnsafeCheckpointError: the file is not a regular file inside ``directory``, or names a
+            global outside ``allowed_globals()``.
+    """
+    file, _ = confined_file(directory, name)
+    with open_regular(file) as stream:
+        data = stream.read()
+    _check_value(data, file)
+
+
 # --------------------------------------------------------------------------------------------------
 # DCP's reader and planner, restricted during the load itself
 # --------------------------------------------------------------------------------------------------
@@ -263,11 +299,15 @@ _DCP_LOAD_BYTES = DefaultLoadPlanner.load_bytes
 
 
 def restricted_read_metadata(reader: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
-    """``FileSystemReader.read_metadata`` of torch 2.13, reading through the restricted
-    unpickler (no ``super()``: ``megatron_muon.integrations`` sets it on the class itself)."""
-    path = reader._get_metadata_path(kwargs.get("rank"))
-    with reader.fs.create_stream(path, "rb") as stream:
-        metadata = _load_metadata(stream, str(path), trust_pickles=False)
+    """``FileSystemReader.read_metadata`` of torch 2.14, reading through ``MetadataUnpickler``
+    and confining the storage references (no ``super()``: ``megatron_muon.integrations`` sets it
+    on the class itself)."""
+    directory = str(reader.path)
+    name = os.path.basename(str(reader._get_metadata_path(kwargs.get("rank"))))
+    file, _ = confined_file(directory, name)
+    with open_regular(file) as stream:
+        metadata = _load_metadata(stream, file, trust_pickles=False)
+    check_storage_references(directory, (metadata.storage_data or {}).values())
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = dcp_metadata.StorageMeta()
     metadata.storage_meta.load_id = reader.load_id

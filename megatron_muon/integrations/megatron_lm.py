@@ -79,11 +79,14 @@ megatron-core fixes 6, 7, 8 and 11):
    removes the half-written directory; a finished save records each file's SHA-256; ``--load``
    refuses a damaged tracker or a truncated or altered file on every rank, naming it, before
    anything loads. ``--async-save`` is refused in ``validate_args`` (2.). Then, any optimizer
-   (``checkpoint_guards.pickles``): every pickle of an ``fsdp_dtensor`` checkpoint (``.metadata``,
-   ``args``, RNG and scheduler values) is read by a restricted unpickler on every rank, and one
-   naming a global outside ``checkpointing.safe_unpickle``'s allowlist is refused naming the file
-   and the global before any of it runs (stock: a crafted ``.metadata`` ran its code at
-   ``--load``); ``--ckpt-trust-pickles`` opts out.
+   and any format (``checkpoint_guards.pickles``, ``checkpoint_guards.readers``): at every door
+   a checkpoint comes in through (``load_checkpoint`` as both modules name it: ``--load``,
+   ``--pretrained-checkpoint``, the RL reference load; ``load_args_from_checkpoint``:
+   ``--use-checkpoint-args``), the reader Megatron will pick is found from the directory's files
+   and every pickle it would read is read by a restricted unpickler on every rank; one naming a
+   global outside ``checkpointing.safe_unpickle``'s allowlist, or a format not read restricted,
+   is refused naming the file and the global or reason before any of it runs (stock: a crafted
+   ``.metadata`` ran its code at ``--load``); ``--ckpt-trust-pickles`` opts out.
 10. ``megatron.training.initialize._initialize_distributed``: under ``torchrun --max-restarts``,
    each attempt's process group on a store prefix of its own (``restart_store``: without it the
    restarted ranks read the dead attempt's gloo addresses or NCCL ids from torchrun's store and
@@ -140,7 +143,10 @@ from megatron_muon.integrations.checkpoint_guards import integrity as checkpoint
 from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
     checking_optimizer_state_first,
 )
-from megatron_muon.integrations.checkpoint_guards.pickles import refusing_unsafe_pickles
+from megatron_muon.integrations.checkpoint_guards.pickles import (
+    install_other_doors,
+    refusing_unsafe_pickles,
+)
 from megatron_muon.integrations.checkpoint_guards.vocab import checking_vocab_padding_first
 from megatron_muon.integrations.megatron_lm_arguments import (
     accepting_muon_with_fsdp,
@@ -207,6 +213,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     training.load_checkpoint = checking_optimizer_state_first(training.load_checkpoint)
     training.load_checkpoint = refusing_unsafe_pickles(training.load_checkpoint)
     training.load_checkpoint = checkpoint_integrity.verifying_files_first(training.load_checkpoint)
+    install_other_doors()  # checkpointing's load_checkpoint, load_args_from_checkpoint
     training.save_checkpoint = checkpoint_integrity.saving_whole_or_refused(
         training.save_checkpoint
     )

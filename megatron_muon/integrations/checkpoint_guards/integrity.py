@@ -249,14 +249,15 @@ def check_checkpoint_files(args: Any) -> None:
 
 def _directory_to_load(args: Any) -> str | None:
     tracker = _tracker(args.load)
-    if getattr(args, "ckpt_step", None) is None and os.path.isfile(tracker):
+    if os.path.isfile(tracker):  # Megatron reads it even with --ckpt-step
         text = _tracker_text(tracker) or ""
         if not (text.isdigit() or text == "release"):
             raise CheckpointError(
                 f"--load {args.load}: its tracker {tracker} holds {text!r}, not an iteration (a "
                 "save stopped while writing it?); Megatron would exit with status 0 having "
                 f"trained nothing. Checkpoints there: {_iteration_directories(args.load)}. Write "
-                "the iteration to resume from into the tracker, or pass --ckpt-step"
+                "the iteration to resume from into the tracker (Megatron reads it even with "
+                "--ckpt-step)"
             )
     return checkpoint_directory(args)
 

@@ -1,51 +1,62 @@
-"""A Megatron-LM ``fsdp_dtensor`` checkpoint from elsewhere runs no code when ``--load`` reads it.
+"""Megatron-LM's doors for a checkpoint: each one through ``readers``' guard, then its reads
+restricted.
 
-Megatron's ``load_checkpoint`` of an ``fsdp_dtensor`` checkpoint unpickles DCP's ``.metadata``
-(``FileSystemReader.read_metadata``: plain ``pickle.load``) and every value DCP stored whole
-(``args``, ``rng_state``, the scheduler's and param groups' values, ...: ``DefaultLoadPlanner.
-load_bytes``, ``torch.load(weights_only=False)``), several times: its rank-0 read of ``args``,
-its ``read_metadata`` calls, the load itself. Measured on megatron-core 0.19.2 with ``install()``
-(2 CPU ranks): a ``.metadata`` replaced by a pickle whose ``__reduce__`` runs a shell command, its
-SHA-256 in ``megatron_muon_files.json`` rewritten to match, ran the command at ``--load``.
+Megatron's loads unpickle DCP's ``.metadata`` (``FileSystemReader.read_metadata``: plain
+``pickle.load``), every value DCP stored whole (``args``, ``rng_state``, the scheduler's and param
+groups' values: ``DefaultLoadPlanner.load_bytes``, ``torch.load(weights_only=False)``) and, for a
+directory whose files make it ``torch_dist``, ``common.pt`` (``torch.load`` at torch's default).
+Measured on megatron-core 0.19.2 with ``install()`` (2 CPU ranks): a ``.metadata`` replaced by a
+pickle whose ``__reduce__`` runs a shell command, its SHA-256 in ``megatron_muon_files.json``
+rewritten to match, ran the command at ``--load``; so did one read through
+``--pretrained-checkpoint`` and ``--use-checkpoint-args``.
 
-``refusing_unsafe_pickles`` (applied by ``megatron_lm.install()`` to ``load_checkpoint``, inside
-``checkpoint_guards.integrity``'s file check, which reads ``.metadata`` restricted too) first reads
-every pickle of the checkpoint ``--load`` names with ``checkpointing.safe_unpickle``'s restricted
-unpicklers on every rank (``check_pickles``) and raises the same ``UnsafeCheckpointError`` on
-every rank (``agree``), naming the file and the global, before anything else reads it; then
-Megatron's load runs with DCP's ``read_metadata`` and ``load_bytes`` reading restricted
-(``restricted_dcp_reads``: set on torch's classes for the call, restored after), so a file
-swapped after the check is refused too. Any ``--optimizer``; ``fsdp_dtensor`` only (the other
-formats are Megatron's own). ``--ckpt-trust-pickles`` (``fsdp.arguments``) skips both, for a
-checkpoint the user trusts whose pickles hold other types.
+The doors (``megatron_lm.install()`` applies both wrappers):
 
-Not covered: ``--use-checkpoint-args`` reads ``args`` in ``initialize_megatron``, before
-``load_checkpoint``, with Megatron's own reader.
+- ``load_checkpoint`` (``refusing_unsafe_pickles``; ``megatron.training.training``'s name and
+  ``megatron.training.checkpointing``'s): ``--load``, ``--pretrained-checkpoint`` when ``--load``
+  holds no checkpoint (``--finetune`` or not), ``--ckpt-step``, non-persistent checkpoints, the
+  RL reference model's load (``args.load = None``, then this same function), any
+  ``--optimizer``, any ``--ckpt-format``;
+- ``load_args_from_checkpoint`` (``refusing_unsafe_checkpoint_args``): ``--use-checkpoint-args``
+  reads ``args`` from ``--pretrained-checkpoint`` and ``--load`` in ``parse_and_validate_args``,
+  before ``torch.distributed`` is initialized (each process checks for itself).
+
+Each first runs ``readers.guard_megatron_load`` (the directory and format Megatron will read,
+every pickle its reader would read, restricted; every rank the same ``UnsafeCheckpointError``
+naming the file and the global or reason), then Megatron's function with DCP's ``read_metadata``
+and ``load_bytes`` reading restricted (``restricted_dcp_reads``: set on torch's classes for the
+call, restored after), so a file swapped after the check is refused too.
+``--ckpt-trust-pickles`` (``fsdp.arguments``) skips both, for a checkpoint the user trusts whose
+pickles hold other types; no environment variable does (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+included).
 
 Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``) and torch
-2.13's ``FileSystemReader`` / ``DefaultLoadPlanner``.
+2.14's ``FileSystemReader`` / ``DefaultLoadPlanner``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from megatron_muon.checkpointing import safe_unpickle
-from megatron_muon.checkpointing.ranks import agree
-from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
+from megatron_muon.integrations.checkpoint_guards.readers import agreed, guard_megatron_load
 
 __all__ = [
     "check_checkpoint_pickles",
     "check_pickles_of",
+    "install_other_doors",
+    "refusing_unsafe_checkpoint_args",
     "refusing_unsafe_pickles",
     "restricted_dcp_reads",
+    "trusts_pickles",
 ]
 
 
@@ -70,12 +81,13 @@ def restricted_dcp_reads() -> Iterator[None]:
 
 
 def check_checkpoint_pickles(args: Any) -> None:
-    """Every pickle of the checkpoint ``--load`` names, read restricted. Collective (``agree``).
+    """Every pickle of the checkpoint a ``load_checkpoint`` of ``args`` reads, read restricted
+    (``readers.guard_megatron_load``). Collective (``agree``) where a process group exists.
 
     Raises (every rank the same):
-        UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist.
+        UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist, ...
     """
-    check_pickles_of(lambda: checkpoint_directory(args))
+    guard_megatron_load(args)
 
 
 def check_pickles_of(find_directory: Callable[[], str | None]) -> None:
@@ -86,38 +98,60 @@ def check_pickles_of(find_directory: Callable[[], str | None]) -> None:
     Raises (every rank the same):
         UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist.
     """
-    error: BaseException | None = None
-    try:
+
+    def check() -> None:
         directory = find_directory()
-        if directory is not None and os.path.isfile(
+        if directory is not None and os.path.lexists(
             os.path.join(directory, safe_unpickle.METADATA_NAME)
         ):
             safe_unpickle.check_pickles(directory)
-    except Exception as caught:  # noqa: BLE001 - any error on one rank must reach every rank
-        error = caught
-    if dist.is_initialized():
-        agree(error)
-    elif error is not None:
-        raise error
+
+    agreed(check)
 
 
 def refusing_unsafe_pickles(load_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """Megatron's ``load_checkpoint`` after ``check_checkpoint_pickles``, inside
-    ``restricted_dcp_reads`` (``fsdp_dtensor`` loads without ``--ckpt-trust-pickles``)."""
+    """Megatron's ``load_checkpoint`` after ``guard_megatron_load`` (with its fallback to
+    ``--pretrained-checkpoint``), inside ``restricted_dcp_reads``; unless
+    ``--ckpt-trust-pickles``."""
+    signature = inspect.signature(load_checkpoint)
 
     @functools.wraps(load_checkpoint)
     def load_checkpoint_restricted(*args: Any, **kwargs: Any) -> Any:
         from megatron.training import get_args
 
         megatron = get_args()
-        if (
-            getattr(megatron, "ckpt_format", None) != "fsdp_dtensor"
-            or not getattr(megatron, "load", None)
-            or trusts_pickles(megatron)
-        ):
+        if trusts_pickles(megatron):
             return load_checkpoint(*args, **kwargs)
-        check_checkpoint_pickles(megatron)
+        bound = signature.bind(*args, **kwargs).arguments
+        guard_megatron_load(megatron, bound.get("load_arg", "load"), pretrained_fallback=True)
         with restricted_dcp_reads():
             return load_checkpoint(*args, **kwargs)
 
     return load_checkpoint_restricted
+
+
+def refusing_unsafe_checkpoint_args(load_args: Callable[..., Any]) -> Callable[..., Any]:
+    """Megatron's ``load_args_from_checkpoint`` after ``guard_megatron_load`` (the directory it
+    is given, no fallback), inside ``restricted_dcp_reads``; unless ``--ckpt-trust-pickles``."""
+
+    @functools.wraps(load_args)
+    def load_args_restricted(args: Any, load_arg: str = "load", **kwargs: Any) -> Any:
+        if trusts_pickles(args):
+            return load_args(args, load_arg, **kwargs)
+        guard_megatron_load(args, load_arg, pretrained_fallback=False)
+        with restricted_dcp_reads():
+            return load_args(args, load_arg, **kwargs)
+
+    return load_args_restricted
+
+
+def install_other_doors() -> None:
+    """``refusing_unsafe_pickles`` on ``megatron.training.checkpointing.load_checkpoint`` (the
+    name a script importing it after ``install()`` gets) and ``refusing_unsafe_checkpoint_args``
+    on its ``load_args_from_checkpoint`` (``parse_and_validate_args`` imports it when called).
+    ``megatron_lm.install()`` calls it once, beside its wrapping of ``training.load_checkpoint``."""
+    checkpointing: Any = importlib.import_module("megatron.training.checkpointing")
+    checkpointing.load_checkpoint = refusing_unsafe_pickles(checkpointing.load_checkpoint)
+    checkpointing.load_args_from_checkpoint = refusing_unsafe_checkpoint_args(
+        checkpointing.load_args_from_checkpoint
+    )
