@@ -99,3 +99,43 @@ def replace_item(directory: str, listing: str, key: str, value: Any, nested: boo
     replace_metadata(directory, listing, metadata)
     _relist(directory, listing, [info.relative_path])
     return info.relative_path
+
+
+def reads_as_torch_dist(directory: str, listing: str, replacement: Any) -> str:
+    """``metadata.json`` and ``common.pt`` (``torch.save(replacement)``) beside ``.metadata``:
+    megatron-core's ``_get_checkpoint_format`` then picks its ``torch_dist`` reader, which reads
+    ``common.pt`` with ``torch.load`` at torch's default. Returns ``common.pt``'s path."""
+    with open(os.path.join(directory, "metadata.json"), "w") as handle:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, handle)
+    torch.save(replacement, os.path.join(directory, "common.pt"))
+    _relist(directory, listing, ["metadata.json", "common.pt"])
+    return os.path.join(directory, "common.pt")
+
+
+def reads_as_legacy(directory: str, listing: str, replacement: Any) -> None:
+    """An ``mp_rank_00/model_optim_rng.pt`` (``torch.save(replacement)``) in the directory:
+    megatron-core picks its legacy reader (``torch.load`` of it; on failure ``sys.exit()``)."""
+    os.makedirs(os.path.join(directory, "mp_rank_00"))
+    name = os.path.join("mp_rank_00", "model_optim_rng.pt")
+    torch.save(replacement, os.path.join(directory, name))
+    _relist(directory, listing, [name])
+
+
+def reference_fifo(directory: str, listing: str, key: str) -> str:
+    """The item ``key`` of ``.metadata`` read from ``fifo``, a FIFO in the directory (an
+    ``open()`` of it blocks until a writer comes). Returns the FIFO's path."""
+    metadata = _metadata(directory)
+    (info,) = [info for index, info in metadata.storage_data.items() if index.fqn == key]
+    info.relative_path = "fifo"
+    replace_metadata(directory, listing, metadata)
+    os.mkfifo(os.path.join(directory, "fifo"))
+    return os.path.join(directory, "fifo")
+
+
+def drop_entry(directory: str, listing: str, key: str) -> None:
+    """``.metadata`` without ``key`` (its entry and its storage references): a checkpoint missing
+    one tensor, every pickle allowlisted."""
+    metadata = _metadata(directory)
+    del metadata.state_dict_metadata[key]
+    metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn != key}
+    replace_metadata(directory, listing, metadata)

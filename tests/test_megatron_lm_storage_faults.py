@@ -16,12 +16,28 @@ optim_grads_params, ``fsdp_dtensor``, ``--save-interval 4``), in order:
    (``tests/crafted_pickles.py``): every rank refuses it naming the file and the global, and the
    command never ran (stock: it ran); ``integrations.checkpoint_guards.pickles``;
 5. ``--load --ckpt-trust-pickles`` of a copy whose ``args`` holds a user's type outside the
-   allowlist (refused without the flag, below) resumes: iterations 5 to 8 repeat bitwise.
+   allowlist (refused without the flag, below) resumes: iterations 5 to 8 repeat bitwise;
+6. the other doors a checkpoint comes in through (``integrations.checkpoint_guards.readers``),
+   one crafted copy each, every payload a ``touch``, every listing rewritten: ``--pretrained-
+   checkpoint`` without ``--load`` (the RL reference load's way), ``--use-checkpoint-args``
+   (before ``torch.distributed`` starts), and two format switches run with
+   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``: ``metadata.json`` + ``common.pt`` beside ``.metadata``
+   (Megatron's ``torch_dist`` reader; with ``--ckpt-step 0``, which Megatron reads as "not given")
+   and an ``mp_rank_00/`` folder (its legacy reader, whose failure path exits 0): every launch
+   fails on every rank with ``UnsafeCheckpointError`` naming the file and the global or the
+   format, before training, and no payload ran;
+7. the same doors with ``--ckpt-trust-pickles``, one launch: ``--use-checkpoint-args`` and
+   ``--pretrained-checkpoint`` (``--load`` empty) of the copy whose ``args`` holds a user's type:
+   it loads and trains;
+8. ``--load`` of a copy whose ``.metadata`` lacks one model tensor (every pickle allowlisted, the
+   listing rewritten): DCP still refuses it on every rank, "Missing key in checkpoint
+   state_dict".
 
 The other refusals of a load (a truncated data file in a checkpoint saved without the hashes, a
-truncated ``.metadata``, an empty tracker, a save that never finished) call the same check that
-``--load`` runs, on the files launch 1 wrote, from ``run_on_ranks``: a torchrun launch each would
-cost 15 to 45 s. ``--async-save`` is refused at argument validation (single process).
+truncated ``.metadata``, an empty tracker, a save that never finished, a ``.metadata`` whose
+stored item is read from a FIFO) call the same check that ``--load`` runs, on the files launch 1
+wrote, from ``run_on_ranks``: a torchrun launch each would cost 15 to 45 s. ``--async-save`` is
+refused at argument validation (single process).
 """
 
 from __future__ import annotations
@@ -38,7 +54,16 @@ from typing import Any
 import pytest
 
 from megatron_muon.testing import run_on_ranks
-from tests.crafted_pickles import Payload, TrainerNote, replace_item, replace_metadata
+from tests.crafted_pickles import (
+    Payload,
+    TrainerNote,
+    drop_entry,
+    reads_as_legacy,
+    reads_as_torch_dist,
+    reference_fifo,
+    replace_item,
+    replace_metadata,
+)
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(600)
@@ -81,7 +106,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "metadata",
         "empty_tracker",
         "unfinished",
+        "fifo",
+        "missing_key",
         *_PICKLE_CASES,
+        *_FORMAT_CASES,
     ):
         copies[case] = root / case
         shutil.copytree(save / SAVED, copies[case] / SAVED)
@@ -96,7 +124,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trusted = run_megatron(
         [*FLAGS, "--load", str(copies["note"]), "--no-load-rng", "--ckpt-trust-pickles"]
     )
+    doors = _through_the_other_doors(copies, root)
     return {
+        "doors": doors,
         "full": full,
         "listing": listing,
         "tracker": tracker,
@@ -111,14 +141,21 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 _PICKLE_CASES = ("payload", "payload_args", "note")
+_FORMAT_CASES = ("torch_dist", "legacy")
+MISSING = "model.module.decoder.layers.0.mlp.linear_fc2.weight"
 NOTE = TrainerNote("from the colleague's run")
+LISTING = "megatron_muon_files.json"
 
 
 def _craft_pickles(copies: dict[str, Path], root: Path) -> dict[str, str]:
-    """4. and 5. of the module docstring; returns the payloads' marker files."""
+    """4. to 6. of the module docstring; returns the payloads' marker files."""
     import torch
 
-    markers = {case: str(root / f"{case}.ran") for case in ("payload", "payload_args")}
+    markers = {case: str(root / f"{case}.ran") for case in (*_PICKLE_CASES[:2], *_FORMAT_CASES)}
+    reads_as_torch_dist(str(copies["torch_dist"] / SAVED), LISTING, Payload(markers["torch_dist"]))
+    reads_as_legacy(str(copies["legacy"] / SAVED), LISTING, Payload(markers["legacy"]))
+    reference_fifo(str(copies["fifo"] / SAVED), LISTING, "args")
+    drop_entry(str(copies["missing_key"] / SAVED), LISTING, MISSING)
     listing = "megatron_muon_files.json"
     replace_item(
         str(copies["payload"] / SAVED), listing, "args", Payload(markers["payload"]), False
@@ -130,6 +167,36 @@ def _craft_pickles(copies: dict[str, Path], root: Path) -> dict[str, str]:
     args.note = NOTE
     replace_item(str(copies["note"] / SAVED), listing, "args", args, False)
     return markers
+
+
+# The launches of 6. and 7.: (flags after FLAGS, environment)
+_NO_WEIGHTS_ONLY = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+
+
+def _through_the_other_doors(copies: dict[str, Path], root: Path) -> dict[str, Any]:
+    """6. and 7. of the module docstring: one launch per door, one with the opt-in."""
+    doors: list[tuple[str, list[str], dict[str, str] | None]] = [
+        ("pretrained", ["--pretrained-checkpoint", str(copies["payload"])], None),
+        ("checkpoint_args", ["--load", str(copies["payload_args"]), "--use-checkpoint-args"], None),
+        (
+            "torch_dist",
+            ["--load", str(copies["torch_dist"]), "--ckpt-step", "0"],
+            _NO_WEIGHTS_ONLY,
+        ),
+        ("legacy", ["--load", str(copies["legacy"])], _NO_WEIGHTS_ONLY),
+        ("missing_key", ["--load", str(copies["missing_key"])], None),
+    ]
+    runs = {
+        door: run_megatron([*FLAGS, *flags, "--no-load-rng"], env=env, check=False)
+        for door, flags, env in doors
+    }
+    (root / "empty").mkdir()
+    trusted = [
+        *("--load", str(root / "empty"), "--pretrained-checkpoint", str(copies["note"])),
+        *("--use-checkpoint-args", "--ckpt-trust-pickles", "--train-iters", "2"),
+    ]
+    runs["trusted"] = run_megatron([*FLAGS, *trusted])
+    return runs
 
 
 def _saved_args(directory: Path, torch: Any) -> argparse.Namespace:
@@ -246,27 +313,82 @@ def test_with_ckpt_trust_pickles_a_checkpoint_holding_other_types_resumes_bitwis
     assert trusted.grad_norms[:repeated] == full.grad_norms[SAVE_INTERVAL:FULL_AT]
 
 
+@pytest.mark.multirank
+def test_every_other_door_refuses_a_crafted_checkpoint_on_every_rank_and_no_payload_runs(
+    runs: dict[str, Any],
+) -> None:
+    copies = runs["copies"]
+    unsafe = "refused to unpickle the global posix.system"
+    expected = {
+        "pretrained": f"UnsafeCheckpointError: {copies['payload'] / SAVED / '.metadata'}: {unsafe}",
+        "checkpoint_args": f"UnsafeCheckpointError: {copies['payload_args'] / SAVED}/",
+        "torch_dist": (
+            f"UnsafeCheckpointError: {copies['torch_dist'] / SAVED / 'common.pt'}: {unsafe}"
+        ),
+        "legacy": f"UnsafeCheckpointError: {copies['legacy'] / SAVED}: Megatron would read it as a "
+        "'torch' checkpoint (an mp_rank_* entry",
+    }
+    for door, phrase in expected.items():
+        run: MegatronRun = runs["doors"][door]
+        assert run.returncode != 0, door  # not Megatron's sys.exit(): status 0, nothing trained
+        assert run.iterations == {}, door
+        for rank, output in run.rank_outputs.items():
+            assert phrase in output, f"{door}, rank {rank}:\n{output[-3000:]}"
+            if door == "checkpoint_args":
+                assert f"(item args): {unsafe}" in output, f"rank {rank}:\n{output[-3000:]}"
+            assert "--ckpt-trust-pickles" in output
+    for case, marker in runs["markers"].items():
+        assert not os.path.exists(marker), f"the payload of {case} ran"
+    print({door: round(run.wall_s, 1) for door, run in runs["doors"].items()})  # launch costs
+
+
+@pytest.mark.multirank
+def test_with_ckpt_trust_pickles_the_other_doors_load_and_train(runs: dict[str, Any]) -> None:
+    trusted: MegatronRun = runs["doors"]["trusted"]
+    assert sorted(trusted.iterations) == [1, 2]  # --pretrained-checkpoint: a fine-tuning start
+    output = trusted.rank_outputs[0]  # Megatron prints these on rank 0
+    assert re.search(r"Setting \w+ to .* from checkpoint", output), output  # the args it read
+    assert f"finetune with checkpoint in {runs['copies']['note']}" in output, output
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_missing_a_tensor_is_still_refused_by_dcp_on_every_rank(
+    runs: dict[str, Any],
+) -> None:
+    missing: MegatronRun = runs["doors"]["missing_key"]
+    assert missing.returncode != 0
+    assert missing.iterations == {}
+    for rank, output in missing.rank_outputs.items():
+        assert f"Missing key in checkpoint state_dict: {MISSING}" in output, f"rank {rank}"
+
+
 # --------------------------------------------------------------------------------------------------
 # the same check on more damage, without a launch of Megatron's loop each
 # --------------------------------------------------------------------------------------------------
 
 
-def _refusals(rank: int, world_size: int, loads: list[tuple[str, int | None]]) -> list[str]:
-    """What ``check_checkpoint_files`` raised for each (``--load``, ``--ckpt-step``)."""
+def _refusals(
+    rank: int, world_size: int, loads: list[tuple[str, int | None]]
+) -> list[tuple[str, float]]:
+    """What ``check_checkpoint_files`` raised for each (``--load``, ``--ckpt-step``), and in how
+    many seconds."""
+    import time
+
     from megatron_muon.integrations.checkpoint_guards.integrity import check_checkpoint_files
 
     raised = []
     for load, ckpt_step in loads:
+        start = time.monotonic()
         try:
             check_checkpoint_files(SimpleNamespace(load=load, ckpt_step=ckpt_step))
-            raised.append("nothing")
+            raised.append(("nothing", time.monotonic() - start))
         except Exception as error:  # noqa: BLE001 - the test compares what every rank raised
-            raised.append(f"{type(error).__name__}: {error}")
+            raised.append((f"{type(error).__name__}: {error}", time.monotonic() - start))
     return raised
 
 
 @pytest.mark.multirank
-def test_truncated_or_unfinished_checkpoints_and_a_damaged_tracker_are_refused_on_every_rank(
+def test_truncated_unfinished_or_fifo_checkpoints_and_a_damaged_tracker_are_refused_on_every_rank(
     runs: dict[str, Any],
 ) -> None:
     copies = runs["copies"]
@@ -294,11 +416,18 @@ def test_truncated_or_unfinished_checkpoints_and_a_damaged_tracker_are_refused_o
             f"{copies['empty_tracker'] / TRACKER} holds '', not an iteration",
         ),
         ("unfinished", SAVE_INTERVAL, "is incomplete: no .metadata (its save did not finish)"),
+        (
+            "fifo",
+            0,  # --ckpt-step 0: Megatron reads the tracker's iteration
+            f"UnsafeCheckpointError: {copies['fifo'] / SAVED / 'fifo'}: refused (not a regular "
+            "file (a FIFO))",
+        ),
     ]
     loads = [(str(copies[case]), ckpt_step) for case, ckpt_step, _ in cases]
     for rank, raised in enumerate(run_on_ranks(_refusals, 2, loads, timeout=120)):
-        for (case, _, phrase), result in zip(cases, raised, strict=True):
+        for (case, _, phrase), (result, seconds) in zip(cases, raised, strict=True):
             assert phrase in result, (case, rank, result)
+            assert seconds < 10, (case, rank, seconds)  # a FIFO opened would block for ever
 
 
 # --------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def confined_file(directory: str, name: Any) -> tuple[str, int]:
 
     Raises:
         UnsafeCheckpointError: naming the file and which of these it breaks.
+        IncompleteCheckpointError: it is missing.
     """
     if not isinstance(name, str) or not name:
         raise _refused(directory, repr(name), "not a file name")
@@ -53,6 +54,10 @@ def confined_file(directory: str, name: Any) -> tuple[str, int]:
         raise _refused(directory, name, f"a symbolic link to {path}, outside the directory")
     try:
         status = os.stat(path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"checkpoint {directory} is incomplete: {name} is missing"
+        ) from None
     except OSError as error:
         raise _refused(directory, name, f"cannot stat it: {error.strerror}") from None
     if not stat.S_ISREG(status.st_mode):
@@ -82,6 +87,7 @@ def check_storage_references(directory: str, storage: Iterable[Any]) -> None:
         IncompleteCheckpointError: bytes past a file's end referenced (the file and sizes named).
     """
     sizes: dict[str, int] = {}
+    ends: dict[str, int] = {}
     for info in storage:
         name = info.relative_path
         if name not in sizes:
@@ -89,10 +95,12 @@ def check_storage_references(directory: str, storage: Iterable[Any]) -> None:
         offset, length = info.offset, info.length
         if not all(isinstance(value, int) and value >= 0 for value in (offset, length)):
             raise _refused(directory, name, f"offset {offset!r} and length {length!r}")
-        if offset + length > sizes[name]:  # a truncated file, or a crafted length
+        ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        if end > sizes[name]:  # a truncated file, or a crafted length
             raise IncompleteCheckpointError(
                 f"checkpoint {directory} is damaged: {name} holds {sizes[name]} bytes, its "
-                f".metadata references {offset + length} (truncated)"
+                f".metadata references {end} (truncated)"
             )
 
 

@@ -35,7 +35,7 @@ import collections
 import enum
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = ["MetadataUnpickler"]
 
@@ -50,11 +50,13 @@ def _numpy_dtype() -> type | None:
     return numpy.dtype
 
 
-class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # pickle's pure-Python one
+class MetadataUnpickler(pickle._Unpickler):
     """``pickle._Unpickler`` building only ``allowed`` (module docstring); ``refuse(reason)``
     returns the exception to raise."""
 
-    dispatch: dict[int, _Opcode] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, _Opcode]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # pickle._Unpickler's, set by load()
+    metastack: list[list[Any]]
 
     def __init__(
         self, file: Any, allowed: dict[str, Any], refuse: Callable[[str], Exception]
@@ -129,24 +131,30 @@ def _target_below_mark(self: MetadataUnpickler) -> Any:
     return self.metastack[-1][-1]
 
 
-_CODES = pickle._Unpickler.dispatch  # type: ignore[attr-defined]
+def _into_dict(self: MetadataUnpickler) -> None:  # SETITEM: dict, key, value on the stack
+    self._check_container(self.stack[-3], (dict,))
+
+
+def _into_list(self: MetadataUnpickler) -> None:  # APPEND: list, item
+    self._check_container(self.stack[-2], (list,))
+
+
+def _below_mark(kinds: tuple[type, ...]) -> Callable[[MetadataUnpickler], None]:
+    def check(self: MetadataUnpickler) -> None:  # SETITEMS, APPENDS, ADDITEMS: after a MARK
+        self._check_container(_target_below_mark(self), kinds)
+
+    return check
+
+
+_CODES = pickle._Unpickler.dispatch
 for _code in (pickle.REDUCE, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.INST, pickle.OBJ):
     MetadataUnpickler.dispatch[_code[0]] = _recording(_CODES[_code[0]])
-MetadataUnpickler.dispatch[pickle.BUILD[0]] = _checked(
-    _CODES[pickle.BUILD[0]], MetadataUnpickler._check_build
-)
-MetadataUnpickler.dispatch[pickle.SETITEM[0]] = _checked(
-    _CODES[pickle.SETITEM[0]], lambda self: self._check_container(self.stack[-3], (dict,))
-)
-MetadataUnpickler.dispatch[pickle.APPEND[0]] = _checked(
-    _CODES[pickle.APPEND[0]], lambda self: self._check_container(self.stack[-2], (list,))
-)
-for _code, _kinds in (
-    (pickle.SETITEMS, (dict,)),
-    (pickle.APPENDS, (list,)),
-    (pickle.ADDITEMS, (set,)),
+for _code, _check in (
+    (pickle.BUILD, MetadataUnpickler._check_build),
+    (pickle.SETITEM, _into_dict),
+    (pickle.APPEND, _into_list),
+    (pickle.SETITEMS, _below_mark((dict,))),
+    (pickle.APPENDS, _below_mark((list,))),
+    (pickle.ADDITEMS, _below_mark((set,))),
 ):
-    MetadataUnpickler.dispatch[_code[0]] = _checked(
-        _CODES[_code[0]],
-        lambda self, kinds=_kinds: self._check_container(_target_below_mark(self), kinds),
-    )
+    MetadataUnpickler.dispatch[_code[0]] = _checked(_CODES[_code[0]], _check)

@@ -1,6 +1,6 @@
 """What a checkpoint may unpickle: the one allowlist, and the readers that hold to it.
 
-A checkpoint directory holds pickles: DCP's ``.metadata`` (read by torch 2.13's
+A checkpoint directory holds pickles: DCP's ``.metadata`` (read by torch 2.14's
 ``FileSystemReader.read_metadata`` with plain ``pickle.load``) and every non-tensor value DCP
 stores whole (``BytesStorageMetadata`` items in the ``.distcp`` files: Megatron's ``args``,
 ``rng_state``, scheduler and param-group values; our ``common.*`` small objects, which are
@@ -10,16 +10,17 @@ checkpoint from elsewhere (shared storage, a download) could run code when loade
 listings of each save detect accidents, not an attacker, who rewrites them too.
 
 Here every such pickle is read by a restricted unpickler admitting only ``allowed_globals()``:
-what our saves and Megatron-LM's ``fsdp_dtensor`` saves write (DCP's metadata classes,
-``torch.Size``, dtypes, containers, numbers, strings, NumPy's RNG arrays, ``argparse.Namespace``
-and megatron-core's enums of Megatron's ``args``). Any other global raises
-``UnsafeCheckpointError`` naming the file and the global, from ``find_class`` (or torch's
-``weights_only`` unpickler, torch's own mechanism for the same), before that global is looked
-up: nothing of the pickle runs.
+what our saves and Megatron-LM's saves write (DCP's metadata classes, ``torch.Size``, dtypes,
+containers, numbers, strings, NumPy's RNG arrays, ``argparse.Namespace`` and megatron-core's
+enums of Megatron's ``args``). Any other global raises ``UnsafeCheckpointError`` naming the file
+and the global before that global is looked up.
 
-- ``read_metadata(directory)``: ``.metadata``, restricted (``pickle.Unpickler.find_class``);
+- ``read_metadata(directory)``: ``.metadata`` by ``metadata_unpickler.MetadataUnpickler`` (builds
+  only allowlisted types, sets state only on objects it created), a regular file of the
+  directory, every storage reference confined (``confined_files``);
 - ``load_pickled(data, where)``: a ``torch.save`` blob, restricted (``torch.load(weights_only=
-  True)`` under ``torch.serialization.safe_globals``);
+  True)`` under ``torch.serialization.safe_globals``; enums as callables returning their members,
+  so no BUILD reaches a shared member); ``check_saved_file`` for a ``torch.save`` file;
 - ``check_pickles(directory)``: every pickle a load of ``directory`` would read, read restricted
   now (callers run it on every rank and ``agree`` before DCP's collectives start);
 - ``RestrictedFileSystemReader`` / ``RestrictedLoadPlanner``: DCP's reader and planner reading
@@ -190,7 +191,7 @@ class _EnumMember:
 
 
 @functools.cache
-def _weights_only_globals() -> list[tuple[Any, str]]:
+def _weights_only_globals() -> list[Any]:
     """``allowed_globals()`` as ``torch.serialization.safe_globals`` takes them, enums as
     ``_EnumMember``."""
     return [

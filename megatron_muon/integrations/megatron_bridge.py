@@ -41,9 +41,11 @@ Building the config calls ``install()`` (idempotent), which applies, before Brid
    ``initialize_megatron`` calls ``compile_helpers``, which fails with the PyPI wheel);
 3. ``megatron.bridge.training.train.clip_qk`` skipping chunks whose QK-clip is ours;
 4. without a GPU, ``megatron_muon.cpu_stand_ins.install_for_bridge()``;
-5. Bridge's checkpoint load (``_load_checkpoint_from_path``) with ``checkpoint_guards.bridge``'s
-   checks: an ``fsdp_dtensor`` checkpoint's pickles read restricted (``ckpt_trust_pickles``
-   opts out), and another optimizer's state refused naming both optimizers.
+5. Bridge's checkpoint doors (``_load_checkpoint_from_path``: resume, pretrained, PEFT;
+   ``has_modelopt_state`` / ``load_modelopt_state``) with ``checkpoint_guards.bridge``'s checks:
+   every pickle the reader Bridge picks from the files would read, read restricted
+   (``ckpt_trust_pickles`` opts out), and another optimizer's state refused naming both
+   optimizers.
 """
 
 from __future__ import annotations
@@ -167,9 +169,10 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
     Attributes:
         muon_fsdp: megatron-muon's settings (``MuonFsdpConfig``); QK-clip comes from the model's
             ``qk_clip*`` fields (``_model_qk_clip``).
-        ckpt_trust_pickles: the ``fsdp_dtensor`` checkpoint ``checkpoint.load`` names is trusted:
-            its pickles are read without the restricted unpickler (Megatron-LM's
-            ``--ckpt-trust-pickles``; ``checkpoint_guards.bridge``). Only for a checkpoint
+        ckpt_trust_pickles: the checkpoints this run reads are trusted (``checkpoint.load``,
+            ``pretrained_checkpoint``, ``modelopt_state``): their pickles are read without the
+            restricted unpickler (Megatron-LM's ``--ckpt-trust-pickles``;
+            ``checkpoint_guards.bridge``). Only for a checkpoint
             whose pickles hold types outside the allowlist and whose origin you trust.
     """
 
@@ -179,6 +182,7 @@ class MuonFsdpOptimizerConfig(_bridge_optimizer_config()):  # type: ignore[misc]
     def __post_init__(self) -> None:
         super().__post_init__()
         install()
+        bridge_checkpoint.trust_pickles(self.ckpt_trust_pickles)  # the modelopt_state doors
 
     @classmethod
     def from_config(cls, config: Any, **muon_fsdp: Any) -> MuonFsdpOptimizerConfig:

@@ -1,29 +1,36 @@
-"""Megatron-Bridge's checkpoint load refuses what Megatron-LM's ``--load`` refuses, by name.
+"""Megatron-Bridge's doors for a checkpoint, checked as Megatron-LM's (``readers``' guard).
 
-Bridge's ``_load_checkpoint_from_path`` (``megatron/bridge/training/checkpointing.py``: its
-``load_checkpoint`` for a resume, its ``setup`` for a PEFT run's pretrained checkpoint) reads an
-``fsdp_dtensor`` checkpoint through the same DCP reader as Megatron-LM's: DCP's ``.metadata`` with
-``FileSystemReader.read_metadata`` (plain ``pickle.load``; once for the directory its tracker
-names, once for the one it loads) and the values DCP stored whole with ``DefaultLoadPlanner.
-load_bytes`` (``torch.load(weights_only=False)``). ``checking_bridge_load`` (applied by
-``megatron_bridge.install()`` to both names) first, on every rank:
+Bridge (read in megatron-bridge 0.6.0's source; ``SUPPORTED_MEGATRON_BRIDGE`` pins 0.6.2) reads
+a checkpoint at two doors, both through the same readers as Megatron-LM's (DCP's ``.metadata`` by
+``pickle.load``, values stored whole by ``torch.load(weights_only=False)``, a ``torch_dist``
+directory's ``common.pt`` by ``torch.load`` at torch's default):
 
-1. reads every pickle of the checkpoint directory the load reads (Bridge's own
-   ``_resolve_checkpoint_iteration``: ``checkpoint.ckpt_step``, else its tracker) restricted
-   (``checkpoint_guards.pickles.check_pickles_of``: the same ``UnsafeCheckpointError`` on every
-   rank, naming the file and the global), then runs the load with DCP's reads restricted
-   (``checkpoint_guards.pickles.restricted_dcp_reads``);
-2. compares the checkpoint's optimizer state keys with this run's optimizer's
-   (``checkpoint_guards.optimizer_kind.refuse_another_optimizers_state``): a Muon checkpoint loaded
-   with ``optimizer="lion"`` raises ``CheckpointMismatchError`` naming both optimizers, where the
-   load would wait in collectives for state the checkpoint does not hold. Skipped with
-   ``checkpoint.load_optim=False`` or ``checkpoint.finetune`` (Bridge loads no optimizer state).
+- ``_load_checkpoint_from_path`` (``megatron/bridge/training/checkpointing.py``: its
+  ``load_checkpoint`` for a resume or a ``pretrained_checkpoint``, its ``setup`` for a PEFT run's
+  pretrained checkpoint). The directory is Bridge's own ``_resolve_checkpoint_iteration``'s
+  (``checkpoint.ckpt_step``, else its tracker; ``load_dir`` itself when it is an iteration
+  directory, whose format Bridge then picks from the files: ``_get_checkpoint_format``);
+- ``has_modelopt_state`` / ``load_modelopt_state`` (``post_training/checkpointing.py``), which
+  read ``modelopt_state/`` (megatron-core's ``load_common_state_dict``) while the model is built,
+  before any load: of the iteration directory Bridge resolves, or, without one, of every
+  ``iter_*`` directory (whose common state it reads to find the newest) and the root.
+
+``install_load_checks`` (``megatron_bridge.install()``) wraps each: first, on every rank, the
+format Bridge's ``_get_checkpoint_format`` picks for each directory the door reads, and
+``readers.check_reads`` of it (the same ``UnsafeCheckpointError`` on every rank, naming the file
+and the global or reason; a HuggingFace directory, read by Bridge's own safetensors path, is not
+checked here), then the door with DCP's reads restricted (``pickles.restricted_dcp_reads``).
+``_load_checkpoint_from_path`` also compares the checkpoint's optimizer state keys with this
+run's optimizer's (``optimizer_kind.refuse_another_optimizers_state``): a Muon checkpoint loaded
+with ``optimizer="lion"`` raises ``CheckpointMismatchError`` naming both optimizers, where the
+load would wait in collectives for state the checkpoint does not hold (skipped with
+``checkpoint.load_optim=False`` or ``checkpoint.finetune``: Bridge loads no optimizer state).
 
 ``MuonFsdpOptimizerConfig.ckpt_trust_pickles=True`` (Megatron-LM's ``--ckpt-trust-pickles``)
-skips the restricted reads for a checkpoint the user trusts; the optimizer check stays.
-``fsdp_dtensor`` only (``checkpoint.ckpt_format``; a HuggingFace directory is not DCP).
-
-Checked against megatron-bridge 0.6.2 (``megatron_bridge.SUPPORTED_MEGATRON_BRIDGE``).
+skips the restricted reads for a checkpoint the user trusts (for the ``modelopt_state`` doors,
+which see no config, the last such config built in the process: ``trust_pickles``); the
+optimizer check stays. Not run here: the Bridge tests need ``.venv-bridge``
+(``scripts/setup_bridge_venv.sh``).
 """
 
 from __future__ import annotations
@@ -40,24 +47,62 @@ from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
     BRIDGE_NAMES,
     refuse_another_optimizers_state,
 )
-from megatron_muon.integrations.checkpoint_guards.pickles import (
-    check_pickles_of,
-    restricted_dcp_reads,
+from megatron_muon.integrations.checkpoint_guards.pickles import restricted_dcp_reads
+from megatron_muon.integrations.checkpoint_guards.readers import (
+    MegatronRead,
+    agreed,
+    check_reads,
 )
 
-__all__ = ["bridge_checkpoint_directory", "checking_bridge_load", "install_load_checks"]
+__all__ = [
+    "bridge_checkpoint_directory",
+    "check_bridge_directory",
+    "checking_bridge_load",
+    "checking_modelopt_reads",
+    "install_load_checks",
+    "trust_pickles",
+]
 
 # Bridge's modules that call ``_load_checkpoint_from_path`` by this name (``setup`` imported it).
 _CALLERS = ("megatron.bridge.training.checkpointing", "megatron.bridge.training.setup")
 _LOAD = "_load_checkpoint_from_path"
+_MODELOPT = "megatron.bridge.training.post_training.checkpointing"
+_MODELOPT_READERS = ("has_modelopt_state", "load_modelopt_state")
+_MODELOPT_STATE = "modelopt_state"
+_TRUSTED = {"pickles": False}
+
+
+def trust_pickles(trusted: bool) -> None:
+    """The ``modelopt_state`` doors read restricted unless ``trusted``
+    (``MuonFsdpOptimizerConfig.ckpt_trust_pickles``, set when the config is built)."""
+    _TRUSTED["pickles"] = trusted
 
 
 def install_load_checks() -> None:
     """Wraps Bridge's ``_load_checkpoint_from_path`` with ``checking_bridge_load`` where Bridge
-    calls it (module docstring). Not idempotent: ``megatron_bridge.install()`` calls it once."""
+    calls it, and its ``has_modelopt_state`` / ``load_modelopt_state`` with
+    ``checking_modelopt_reads`` (module docstring). Not idempotent: ``megatron_bridge.install()``
+    calls it once."""
     for name in _CALLERS:
         module: Any = importlib.import_module(name)
         setattr(module, _LOAD, checking_bridge_load(getattr(module, _LOAD)))
+    modelopt: Any = importlib.import_module(_MODELOPT)
+    for name in _MODELOPT_READERS:
+        setattr(modelopt, name, checking_modelopt_reads(getattr(modelopt, name)))
+
+
+def check_bridge_directory(directory: str | None) -> None:
+    """``readers.check_reads`` of ``directory`` as Bridge's ``_get_checkpoint_format`` reads it
+    (nothing for None, a missing directory, a HuggingFace one, or one Bridge cannot read)."""
+    checkpointing: Any = importlib.import_module("megatron.bridge.training.checkpointing")
+    if directory is None or not os.path.isdir(directory):
+        return
+    try:
+        found = checkpointing._get_checkpoint_format(directory)
+    except NotImplementedError:  # Bridge raises the same, reading nothing
+        return
+    if found != "hf":
+        check_reads(MegatronRead(directory, str(found)))
 
 
 def bridge_checkpoint_directory(load_dir: str | None, ckpt_step: int | None) -> str | None:
@@ -84,20 +129,56 @@ def checking_bridge_load(load_from_path: Callable[..., Any]) -> Callable[..., An
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         cfg = bound.arguments["state"].cfg
-        if cfg.checkpoint.ckpt_format != "fsdp_dtensor":
-            return load_from_path(*args, **kwargs)
         load_dir = bound.arguments["load_dir"]
         step = None if bound.arguments["ignore_ckpt_step"] else cfg.checkpoint.ckpt_step
         directory = bridge_checkpoint_directory(load_dir, step)
         if getattr(cfg.optimizer, "ckpt_trust_pickles", False):
             _check_optimizer_state(cfg, bound.arguments["optimizer"], load_dir, directory)
             return load_from_path(*args, **kwargs)
-        check_pickles_of(lambda: directory)
+        agreed(lambda: check_bridge_directory(directory))
         with restricted_dcp_reads():
             _check_optimizer_state(cfg, bound.arguments["optimizer"], load_dir, directory)
             return load_from_path(*args, **kwargs)
 
     return load_checked
+
+
+def _modelopt_directories(checkpoint_path: str, ckpt_step: int | None) -> list[str]:
+    """Every directory Bridge's ``_get_modelopt_checkpoint_path`` may read the common state of,
+    and their ``modelopt_state`` (module docstring)."""
+    if not checkpoint_path or not os.path.isdir(checkpoint_path):
+        return []
+    chosen = bridge_checkpoint_directory(checkpoint_path, ckpt_step)
+    if chosen is not None:
+        candidates = [chosen]
+    else:  # Bridge reads each iter_* directory's common state to find the newest
+        iterations = sorted(n for n in os.listdir(checkpoint_path) if n.startswith("iter_"))
+        candidates = [os.path.join(checkpoint_path, n) for n in iterations] + [checkpoint_path]
+    return [d for c in candidates for d in (c, os.path.join(c, _MODELOPT_STATE))]
+
+
+def checking_modelopt_reads(read_modelopt: Callable[..., Any]) -> Callable[..., Any]:
+    """Bridge's ``has_modelopt_state`` or ``load_modelopt_state`` after ``check_bridge_directory``
+    of every directory it may read, inside ``restricted_dcp_reads`` (unless ``trust_pickles``)."""
+    signature = inspect.signature(read_modelopt)
+
+    @functools.wraps(read_modelopt)
+    def read_checked(*args: Any, **kwargs: Any) -> Any:
+        if _TRUSTED["pickles"]:
+            return read_modelopt(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        path, step = bound.arguments["checkpoint_path"], bound.arguments.get("ckpt_step")
+
+        def check() -> None:
+            for directory in _modelopt_directories(path, step):
+                check_bridge_directory(directory)
+
+        agreed(check)
+        with restricted_dcp_reads():
+            return read_modelopt(*args, **kwargs)
+
+    return read_checked
 
 
 def _check_optimizer_state(cfg: Any, optimizer: Any, load_dir: str, directory: str | None) -> None:

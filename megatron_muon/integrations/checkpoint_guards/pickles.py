@@ -40,18 +40,16 @@ import contextlib
 import functools
 import importlib
 import inspect
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from megatron_muon.checkpointing import safe_unpickle
-from megatron_muon.integrations.checkpoint_guards.readers import agreed, guard_megatron_load
+from megatron_muon.integrations.checkpoint_guards.readers import guard_megatron_load
 
 __all__ = [
     "check_checkpoint_pickles",
-    "check_pickles_of",
     "install_other_doors",
     "refusing_unsafe_checkpoint_args",
     "refusing_unsafe_pickles",
@@ -88,25 +86,6 @@ def check_checkpoint_pickles(args: Any) -> None:
         UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist, ...
     """
     guard_megatron_load(args)
-
-
-def check_pickles_of(find_directory: Callable[[], str | None]) -> None:
-    """Every pickle of the DCP checkpoint directory ``find_directory()`` returns (None, or no
-    ``.metadata`` there: nothing to check), read restricted. Collective (``agree``): an error on
-    one rank, finding the directory included, is raised on every rank.
-
-    Raises (every rank the same):
-        UnsafeCheckpointError: a pickle names a global outside ``safe_unpickle``'s allowlist.
-    """
-
-    def check() -> None:
-        directory = find_directory()
-        if directory is not None and os.path.lexists(
-            os.path.join(directory, safe_unpickle.METADATA_NAME)
-        ):
-            safe_unpickle.check_pickles(directory)
-
-    agreed(check)
 
 
 def refusing_unsafe_pickles(load_checkpoint: Callable[..., Any]) -> Callable[..., Any]:
