@@ -40,7 +40,7 @@ def confined_file(directory: str, name: Any) -> tuple[str, int]:
 
     Raises:
         UnsafeCheckpointError: naming the file and which of these it breaks.
-        IncompleteCheckpointError: it is missing.
+        FileNotFoundError: it does not exist.
     """
     if not isinstance(name, str) or not name:
         raise _refused(directory, repr(name), "not a file name")
@@ -55,9 +55,7 @@ def confined_file(directory: str, name: Any) -> tuple[str, int]:
     try:
         status = os.stat(path)
     except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"checkpoint {directory} is incomplete: {name} is missing"
-        ) from None
+        raise  # as an open() of it would: the caller names a missing file its own way
     except OSError as error:
         raise _refused(directory, name, f"cannot stat it: {error.strerror}") from None
     if not stat.S_ISREG(status.st_mode):
@@ -82,24 +80,30 @@ def check_storage_references(directory: str, storage: Iterable[Any]) -> None:
     """Every ``_StorageInfo`` of ``storage`` (DCP's ``Metadata.storage_data.values()``) references
     bytes inside a confined regular file of ``directory`` (``confined_file``); nothing opened.
 
+    A file that does not exist is left to the reader that opens it (it names it missing).
+
     Raises:
         UnsafeCheckpointError: naming the first file that is not, and why.
         IncompleteCheckpointError: bytes past a file's end referenced (the file and sizes named).
     """
-    sizes: dict[str, int] = {}
+    sizes: dict[str, int | None] = {}
     ends: dict[str, int] = {}
     for info in storage:
         name = info.relative_path
         if name not in sizes:
-            sizes[name] = confined_file(directory, name)[1]
+            try:
+                sizes[name] = confined_file(directory, name)[1]
+            except FileNotFoundError:  # nothing to read: each reader reports it missing
+                sizes[name] = None
         offset, length = info.offset, info.length
         if not all(isinstance(value, int) and value >= 0 for value in (offset, length)):
             raise _refused(directory, name, f"offset {offset!r} and length {length!r}")
         ends[name] = max(ends.get(name, 0), offset + length)
     for name, end in sorted(ends.items()):
-        if end > sizes[name]:  # a truncated file, or a crafted length
+        size = sizes[name]
+        if size is not None and end > size:  # a truncated file, or a crafted length
             raise IncompleteCheckpointError(
-                f"checkpoint {directory} is damaged: {name} holds {sizes[name]} bytes, its "
+                f"checkpoint {directory} is damaged: {name} holds {size} bytes, its "
                 f".metadata references {end} (truncated)"
             )
 

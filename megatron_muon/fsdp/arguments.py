@@ -148,10 +148,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(
             "--ckpt-trust-pickles",
             action="store_true",
-            help="--load reads the checkpoint's pickles unrestricted: for a checkpoint you trust "
-            "whose pickles hold types outside megatron-muon's allowlist (unpickling can run any "
-            "code its writer chose). Default: every pickle of an fsdp_dtensor checkpoint is read "
-            "by a restricted unpickler and another type is refused, naming the file and the type.",
+            help="Megatron reads checkpoints with its own, unrestricted readers (--load, "
+            "--pretrained-checkpoint, --use-checkpoint-args, the RL reference load; any format): "
+            "for a checkpoint you trust whose pickles hold types outside megatron-muon's "
+            "allowlist, or whose format it does not check (legacy torch, local non-persistent); "
+            "unpickling can run any code its writer chose. Default: at each of these, every "
+            "pickle the reader Megatron picks from the files would read is read restricted first "
+            "and another type is refused, naming the file and the type.",
         )
     if not _has_option(parser, "--qk-clip-threshold"):
         # Megatron-LM's parser has --qk-clip / --qk-clip-threshold already (module docstring).
