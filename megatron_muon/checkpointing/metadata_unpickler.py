@@ -24,9 +24,11 @@ on every opcode that calls or mutates, tightened to objects rather than types:
   ``OrderedDict`` it created;
 - ``PERSID``, ``BINPERSID``: refused.
 
-Each refusal is the caller's ``refuse(reason)`` exception, raised before the opcode acts. It is
-slower than the C unpickler (pure Python): a ``.metadata`` of 100 kB reads in tens of
-milliseconds.
+Each refusal is the caller's ``refuse(reason)`` exception, raised before the opcode acts. Being
+pure Python, it is slower than the C unpickler: a 0.63 MB ``.metadata`` (3,000 tensors) read in
+0.63 s here against 0.07 s (about 1 s per MB). A load reads ``.metadata`` several times:
+``safe_unpickle`` reads bytes this unpickler has read whole before (their SHA-256) with the C
+unpickler and the same ``find_class``, which runs the same opcodes on the same objects.
 """
 
 from __future__ import annotations

@@ -141,6 +141,8 @@ def megatron_read(args: Any, load_arg: str = "load", pretrained_fallback: bool =
     """The ``MegatronRead`` a Megatron-LM load of ``getattr(args, load_arg)`` reads, or None
     where it reads no checkpoint (``load_directory``'s resolution)."""
     load_dir = megatron_load_dir(args, load_arg, pretrained_fallback)
+    if load_dir is None and not pretrained_fallback:  # load_args_from_checkpoint returns early
+        return None
     named = tracker_iteration(load_dir) if load_dir is not None else (-1, False)
     if named is None:  # a tracker Megatron refuses: it exits before reading a checkpoint
         return None
