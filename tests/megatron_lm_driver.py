@@ -13,6 +13,11 @@ save at ``iteration`` on, that rank's process may write no file beyond ``bytes``
 with ``SIGXFSZ`` ignored so that a write past it fails with ``EFBIG``): the disk fills up during
 that save.
 
+``--megatron-muon-setenv NAME=VALUE`` sets a variable in this rank's environment before the
+example starts, for a variable read when used (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``: at each
+``torch.load``): unlike ``run_megatron(env=...)``, it needs no launch zygote of its own (one
+costs about 20 s).
+
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
 """
@@ -35,6 +40,7 @@ LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
+SETENV_FLAG = "--megatron-muon-setenv"
 FILE_SIZE_LIMIT_VARIABLE = "MEGATRON_MUON_FILE_SIZE_LIMIT"
 
 
@@ -63,8 +69,21 @@ def _limit_file_size_from_a_save(training: Any) -> None:
     training.save_checkpoint = save_checkpoint_on_a_full_disk
 
 
+def _set_environment(argv: list[str]) -> list[str]:
+    """``argv`` without its ``SETENV_FLAG NAME=VALUE`` pairs, each set in ``os.environ``."""
+    rest = []
+    pairs = iter(argv)
+    for arg in pairs:
+        if arg == SETENV_FLAG:
+            name, value = next(pairs).split("=", 1)
+            os.environ[name] = value
+        else:
+            rest.append(arg)
+    return rest
+
+
 def main() -> None:
-    argv = sys.argv[1:]
+    argv = _set_environment(sys.argv[1:])
     if NO_INSTALL_FLAG in argv:
         argv.remove(NO_INSTALL_FLAG)
         import megatron_muon.integrations.megatron_lm as integration

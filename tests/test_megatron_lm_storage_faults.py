@@ -169,26 +169,23 @@ def _craft_pickles(copies: dict[str, Path], root: Path) -> dict[str, str]:
     return markers
 
 
-# The launches of 6. and 7.: (flags after FLAGS, environment)
-_NO_WEIGHTS_ONLY = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+# torch.load's default turned to weights_only=False in the ranks (set by the driver: no launch
+# zygote of its own, tests/megatron_lm_driver.py).
+_NO_WEIGHTS_ONLY = ["--megatron-muon-setenv", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1"]
 
 
 def _through_the_other_doors(copies: dict[str, Path], root: Path) -> dict[str, Any]:
     """6. and 7. of the module docstring: one launch per door, one with the opt-in."""
-    doors: list[tuple[str, list[str], dict[str, str] | None]] = [
-        ("pretrained", ["--pretrained-checkpoint", str(copies["payload"])], None),
-        ("checkpoint_args", ["--load", str(copies["payload_args"]), "--use-checkpoint-args"], None),
-        (
-            "torch_dist",
-            ["--load", str(copies["torch_dist"]), "--ckpt-step", "0"],
-            _NO_WEIGHTS_ONLY,
-        ),
-        ("legacy", ["--load", str(copies["legacy"])], _NO_WEIGHTS_ONLY),
-        ("missing_key", ["--load", str(copies["missing_key"])], None),
-    ]
+    doors: dict[str, list[str]] = {
+        "pretrained": ["--pretrained-checkpoint", str(copies["payload"])],
+        "checkpoint_args": ["--load", str(copies["payload_args"]), "--use-checkpoint-args"],
+        "torch_dist": [*_NO_WEIGHTS_ONLY, "--load", str(copies["torch_dist"]), "--ckpt-step", "0"],
+        "legacy": [*_NO_WEIGHTS_ONLY, "--load", str(copies["legacy"])],
+        "missing_key": ["--load", str(copies["missing_key"])],
+    }
     runs = {
-        door: run_megatron([*FLAGS, *flags, "--no-load-rng"], env=env, check=False)
-        for door, flags, env in doors
+        door: run_megatron([*FLAGS, *flags, "--no-load-rng"], check=False)
+        for door, flags in doors.items()
     }
     (root / "empty").mkdir()
     trusted = [
