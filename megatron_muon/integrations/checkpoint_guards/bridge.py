@@ -86,7 +86,10 @@ def install_load_checks() -> None:
     for name in _CALLERS:
         module: Any = importlib.import_module(name)
         setattr(module, _LOAD, checking_bridge_load(getattr(module, _LOAD)))
-    modelopt: Any = importlib.import_module(_MODELOPT)
+    try:
+        modelopt: Any = importlib.import_module(_MODELOPT)
+    except ImportError:  # no nvidia-modelopt: Bridge's own import of this module fails the same
+        return
     for name in _MODELOPT_READERS:
         setattr(modelopt, name, checking_modelopt_reads(getattr(modelopt, name)))
 
