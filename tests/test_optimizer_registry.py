@@ -29,10 +29,12 @@ def test_every_optimizer_name_has_one_entry_and_the_flags_take_them() -> None:
         megatron_lm_optimizer_names,
     )
 
-    built = {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
+    built = {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT), "sgd"}
     assert set(fsdp_optimizer_names()) == built
     assert set(megatron_lm_optimizer_names()) == set(get_args(MegatronOptimizerT))
-    assert {OPTIMIZERS[name].kind for name in ("adam", "sgd")} == {"megatron_core"}
+    # megatron-core builds Adam on Megatron-FSDP; its DistributedOptimizer refuses SGD: ours.
+    assert OPTIMIZERS["adam"].kind == "megatron_core"
+    assert (OPTIMIZERS["sgd"].kind, OPTIMIZERS["sgd"].scalar_optimizer) == ("elementwise", "sgd")
     for entry in OPTIMIZERS.values():  # a builder exactly where megatron-muon builds the matrices
         assert (entry.builder is None) == (entry.kind in ("elementwise", "megatron_core"))
         assert set(entry.counterparts) <= set(entry.state_keys), entry.name

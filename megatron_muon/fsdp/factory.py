@@ -69,7 +69,7 @@ __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam",
 CkptFormatT = Literal["fsdp_dtensor"]
 
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
-_SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
+_SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion", "sgd": "SGD"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
 _STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
     None: FsdpStepWrapper,
@@ -150,8 +150,10 @@ def build_muon_optimizer(
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
     # The rest: muon_scalar_optimizer beside Muon; Adam beside another emerging optimizer, as
-    # megatron-core's default emerging-optimizer entry routes it.
-    scalar_name = muon_config.scalar_optimizer if muon_config is not None else "adam"
+    # megatron-core's default emerging-optimizer entry routes it (SGD: SGD, all params).
+    scalar_name = (
+        muon_config.scalar_optimizer if muon_config is not None else entry.scalar_optimizer
+    )
     routing = route_params(chunks, config, config_overrides, scalar_name, config.optimizer)
     build = MatrixBuild(
         config, muon_config, fsdp_config, pg_collection, fsdp_modules, routing.qkv_split_shapes
@@ -247,7 +249,7 @@ def _sub_optimizers(
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
     names = [routing.scalar_optimizer]
-    if entry.builder is None:
+    if entry.builder is None and routing.matrix_optimizer != routing.scalar_optimizer:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))

@@ -7,7 +7,8 @@ what everything else must know of the optimizer, so that no second table grows b
   subclasses: whole matrices, Newton-Schulz on owners), ``owner_computed`` (each matrix's state
   and work on one owner rank: SOAP, REKLS, PSGDPro), ``rowwise`` (each rank's rows: LaProp, the
   oblique classes), ``elementwise`` (megatron-core's own class on the row shards as they are:
-  Lion), ``megatron_core`` (Adam, SGD: megatron-core builds them; the factory does not);
+  Lion; SGD, for every param), ``megatron_core`` (Adam: megatron-core builds it; the factory
+  does not);
 - ``builder``: its matrices' optimizer over one kind of params (dense or expert;
   ``fsdp.factory`` wraps and chains what it returns), None where megatron-core's class is built;
 - ``settings``: the dataclass of its settings beyond Muon's and ``OptimizerConfig``'s;
@@ -80,6 +81,7 @@ __all__ = [
     "OptimizerKindT",
     "QuantityT",
     "StateCounterpart",
+    "builds_for_fsdp",
     "fsdp_optimizer_names",
     "lookup",
     "megatron_lm_optimizer_names",
@@ -114,6 +116,9 @@ class OptimizerEntry:
     state_keys: tuple[str, ...]
     counterparts: Mapping[str, StateCounterpart] = field(default_factory=dict)
     megatron_lm: bool = True
+    #: the optimizer of the params its routing does not give the matrix optimizer, where Muon's
+    #: ``muon_scalar_optimizer`` does not say (megatron-core's default emerging-optimizer entry).
+    scalar_optimizer: str = "adam"
     #: its state is one whole (Adam: the shared ``step`` bias-corrects both moments): a switch
     #: carries counterparts into it only where every one of its tensors has one.
     whole_state: bool = False
@@ -222,12 +227,15 @@ _ENTRIES = (
         },
         whole_state=True,
     ),
+    # megatron-core 0.19.2's DistributedOptimizer refuses SGD, and Megatron-FSDP takes no other:
+    # megatron-core's own SGD on every param's row shards as they are (elementwise), ours.
     OptimizerEntry(
         name="sgd",
-        kind="megatron_core",
+        kind="elementwise",
         builder=None,
         settings=None,
         state_keys=("momentum_buffer",),
+        scalar_optimizer="sgd",
     ),
 )
 
@@ -238,6 +246,13 @@ OPTIMIZERS: Mapping[str, OptimizerEntry] = MappingProxyType({e.name: e for e in 
 def fsdp_optimizer_names() -> tuple[str, ...]:
     """The names ``build_muon_optimizer`` builds (every kind but ``megatron_core``), sorted."""
     return tuple(sorted(n for n, e in OPTIMIZERS.items() if e.kind != "megatron_core"))
+
+
+def builds_for_fsdp(name: str) -> bool:
+    """Whether ``build_muon_optimizer`` builds ``name`` (``install()`` routes it there with
+    Megatron-FSDP); False for megatron-core's own (Adam) and unknown names."""
+    entry = OPTIMIZERS.get(name)
+    return entry is not None and entry.kind != "megatron_core"
 
 
 def megatron_lm_optimizer_names() -> tuple[str, ...]:
@@ -257,6 +272,6 @@ def lookup(name: str) -> OptimizerEntry:
 
 
 # The Literal aliases (typing, config checks) name the same optimizers as the registry.
-_FSDP_NAMES = {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
+_FSDP_NAMES = {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT), "sgd"}
 assert set(fsdp_optimizer_names()) == _FSDP_NAMES
 assert set(megatron_lm_optimizer_names()) == set(get_args(MegatronOptimizerT))

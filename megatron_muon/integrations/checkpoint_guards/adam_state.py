@@ -1,4 +1,4 @@
-"""Megatron ``fsdp_dtensor`` checkpoints of stock Adam and SGD on Megatron-FSDP: saved, never hung.
+"""Megatron ``fsdp_dtensor`` checkpoints of stock Adam on Megatron-FSDP: saved, never hung.
 
 One way stock megatron-core 0.19.2 hangs in Megatron-LM's loop with ``--use-megatron-fsdp``,
 measured with ``pretrain_gpt.py`` on 2 CPU ranks (the tiny GPT), and what ``install()``
@@ -8,15 +8,16 @@ state lazily, for params that got a gradient, and a rank holding 0 rows of a par
 one, so the ranks' state keys differ and the per-DTensor collectives of the fsdp_dtensor save fall
 out of step (the run hung at "Storing distributed optimizer sharded state" until gloo's 600 s
 timeout, leaving an empty ``iter_0000004/``). torch's SGD keeps its ``momentum_buffer`` the same
-lazy way (with megatron-core's ``--sgd-momentum``, 0.9 by default; megatron-core 0.19.2's
+lazy way (with megatron-core's ``--sgd-momentum``, 0.9 by default), but megatron-core 0.19.2's
 ``DistributedOptimizer`` refuses SGD, so a stock ``--optimizer sgd --use-megatron-fsdp`` run
-stops at build: the fix here is ready for an SGD built otherwise). Here ``get_megatron_optimizer``'s
-Adam (or SGD) gets every param's state at build time, without a step
-(``make_adam_state_rank_symmetric``; SGD's buffer as zeros, which its first step turns into the
-gradient bit for bit, as torch's own first step sets it), and before each save Adam's per-param
+stops at build: ``install()`` routes it to megatron-muon's factory (``fsdp.optimizer_registry``),
+whose SGD holds its buffer from the build on (as zeros, which its first step turns into the
+gradient bit for bit, as torch's own first step sets it). Here ``get_megatron_optimizer``'s
+Adam gets every param's state at build time, without a step
+(``make_adam_state_rank_symmetric``), and before each save Adam's per-param
 ``step`` counts are made equal over the param's ranks (a rank with 0 rows never stepped it; DCP
 keeps one rank's copy of such a replicated value). With that state, a ``--load`` of a checkpoint
-of another optimizer is refused for Adam and SGD runs too (``checkpoint_guards.optimizer_kind``).
+of another optimizer is refused for Adam runs too (``checkpoint_guards.optimizer_kind``).
 
 Checked against megatron-core 0.19.2 (``megatron_version.SUPPORTED_MEGATRON_CORE``).
 """
@@ -38,8 +39,9 @@ from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
 __all__ = ["install", "make_adam_state_rank_symmetric", "with_rank_symmetric_state"]
 
 #: The ``--optimizer`` values megatron-core builds itself on Megatron-FSDP (its
-#: ``DistributedOptimizer`` over torch's class), whose state is made rank-symmetric here.
-STOCK_OPTIMIZERS = ("adam", "sgd")
+#: ``DistributedOptimizer`` over torch's class), whose state is made rank-symmetric here (SGD,
+#: which that class refuses, megatron-muon builds: ``fsdp.optimizer_registry``).
+STOCK_OPTIMIZERS = ("adam",)
 
 
 # Set on our get_megatron_optimizer (``functools.wraps`` carries it through later wrappers).
@@ -99,7 +101,7 @@ def _with_equal_steps(child: Any, sharded_state_dict: Any) -> Any:
 
 
 def with_rank_symmetric_state(get_megatron_optimizer: Any) -> Any:
-    """``get_megatron_optimizer`` whose Adam or SGD for Megatron-FSDP chunks holds every param's
+    """``get_megatron_optimizer`` whose Adam for Megatron-FSDP chunks holds every param's
     state on every rank (``make_adam_state_rank_symmetric``); any other optimizer as it was."""
 
     @functools.wraps(get_megatron_optimizer)
