@@ -46,7 +46,6 @@ __all__ = [
     "check_optimizer_state_kinds",
     "checking_optimizer_state_first",
     "optimizer_of_state",
-    "saved_optimizer",
     "refuse_another_optimizers_state",
     "state_kinds_refusal",
     "tensor_parallel_refusal",
@@ -116,10 +115,15 @@ class LoadSettingNames(NamedTuple):
     optimizer: str
     option: str
     weights_alone: str
+    switch: str = ""  # how to continue with this run's optimizer instead, where there is a way
 
 
 MEGATRON_LM_NAMES = LoadSettingNames(
-    "--load {}", "--optimizer {}", "--optimizer", "Pass --no-load-optim to load the weights alone"
+    "--load {}",
+    "--optimizer {}",
+    "--optimizer",
+    "Pass --no-load-optim to load the weights alone",
+    ", or --optimizer-switch-at-load to continue with this run's optimizer (docs/checkpoints.md)",
 )
 BRIDGE_NAMES = LoadSettingNames(
     "checkpoint.load={!r}",
@@ -160,7 +164,7 @@ def state_kinds_refusal(
         f"{names.load.format(load)}: checkpoint {directory}{by} holds optimizer state "
         f"{sorted(saved_union)}, this run's {names.optimizer.format(optimizer)} keeps "
         f"{sorted(mine_union)} (saved by a run with another {names.option}?). "
-        f"{names.weights_alone}, or the {names.option} the checkpoint was saved with"
+        f"{names.weights_alone}, or the {names.option} the checkpoint was saved with{names.switch}"
     )
 
 
@@ -202,12 +206,6 @@ def _saved_args(directory: str, args: Any) -> Any:
         return load_item(directory, "args", trust_pickles=trusts_pickles(args))
     except KeyError:
         return None
-
-
-def saved_optimizer(directory: str, args: Any) -> str | None:
-    """The ``--optimizer`` checkpoint ``directory`` was saved with (its ``args.optimizer``, read
-    restricted: ``checkpointing.safe_unpickle``), or None where it holds no ``args``."""
-    return getattr(_saved_args(directory, args), "optimizer", None)
 
 
 def check_optimizer_state_kinds(
