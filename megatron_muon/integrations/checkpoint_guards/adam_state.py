@@ -60,8 +60,7 @@ def install() -> None:
         stacklevel=2,
     )
     training: Any = importlib.import_module("megatron.training.training")
-    if not getattr(training.get_megatron_optimizer, _MARK, False):
-        training.get_megatron_optimizer = with_rank_symmetric_state(training.get_megatron_optimizer)
+    training.get_megatron_optimizer = with_rank_symmetric_state(training.get_megatron_optimizer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,7 +101,11 @@ def _with_equal_steps(child: Any, sharded_state_dict: Any) -> Any:
 
 def with_rank_symmetric_state(get_megatron_optimizer: Any) -> Any:
     """``get_megatron_optimizer`` whose Adam for Megatron-FSDP chunks holds every param's
-    state on every rank (``make_adam_state_rank_symmetric``); any other optimizer as it was."""
+    state on every rank (``make_adam_state_rank_symmetric``); any other optimizer as it was.
+    Idempotent: a function that already does it (also under later wrappers, which
+    ``functools.wraps`` gives the mark) is returned as it is."""
+    if getattr(get_megatron_optimizer, _MARK, False):
+        return get_megatron_optimizer
 
     @functools.wraps(get_megatron_optimizer)
     def get_optimizer_with_state(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
