@@ -17,7 +17,10 @@ or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its 
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
 of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
 ``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
-the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``fsdp.owner_computed_optimizers``).
+the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``fsdp.owner_computed_optimizers``);
+``optimizer="sgd"``: megatron-core's SGD for every param (its ``DistributedOptimizer`` refuses
+SGD with Megatron-FSDP). Each name's kind, builder and scalar optimizer are its entry in
+``fsdp.optimizer_registry.OPTIMIZERS``: the factory looks it up and wraps what it builds.
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
