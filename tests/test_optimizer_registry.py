@@ -27,6 +27,7 @@ def test_every_optimizer_name_has_one_entry_and_the_flags_take_them() -> None:
         OPTIMIZERS,
         fsdp_optimizer_names,
         megatron_lm_optimizer_names,
+        routed_by_install,
     )
 
     built = {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT), "sgd"}
@@ -35,6 +36,8 @@ def test_every_optimizer_name_has_one_entry_and_the_flags_take_them() -> None:
     # megatron-core builds Adam on Megatron-FSDP; its DistributedOptimizer refuses SGD: ours.
     assert OPTIMIZERS["adam"].kind == "megatron_core"
     assert (OPTIMIZERS["sgd"].kind, OPTIMIZERS["sgd"].scalar_optimizer) == ("elementwise", "sgd")
+    routed = {name for name in OPTIMIZERS if routed_by_install(name)}  # install()'s, on FSDP
+    assert routed == {*get_args(FsdpOptimizerT), "sgd"}
     for entry in OPTIMIZERS.values():  # a builder exactly where megatron-muon builds the matrices
         assert (entry.builder is None) == (entry.kind in ("elementwise", "megatron_core"))
         assert set(entry.counterparts) <= set(entry.state_keys), entry.name

@@ -81,10 +81,10 @@ __all__ = [
     "OptimizerKindT",
     "QuantityT",
     "StateCounterpart",
-    "builds_for_fsdp",
     "fsdp_optimizer_names",
     "lookup",
     "megatron_lm_optimizer_names",
+    "routed_by_install",
 ]
 
 #: How an optimizer is built (module docstring).
@@ -248,11 +248,13 @@ def fsdp_optimizer_names() -> tuple[str, ...]:
     return tuple(sorted(n for n, e in OPTIMIZERS.items() if e.kind != "megatron_core"))
 
 
-def builds_for_fsdp(name: str) -> bool:
-    """Whether ``build_muon_optimizer`` builds ``name`` (``install()`` routes it there with
-    Megatron-FSDP); False for megatron-core's own (Adam) and unknown names."""
+def routed_by_install(name: str) -> bool:
+    """Whether ``install()`` routes ``--optimizer name`` with Megatron-FSDP to
+    ``build_muon_optimizer``: an ``install()`` choice megatron-muon builds; False for
+    megatron-core's own (Adam), the orthogonalized ones Megatron-LM's flag does not offer (a
+    custom trainer builds them) and unknown names."""
     entry = OPTIMIZERS.get(name)
-    return entry is not None and entry.kind != "megatron_core"
+    return entry is not None and entry.megatron_lm and entry.kind != "megatron_core"
 
 
 def megatron_lm_optimizer_names() -> tuple[str, ...]:

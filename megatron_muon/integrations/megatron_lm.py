@@ -38,7 +38,7 @@ megatron-core fixes 6, 7, 8 and 11):
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
    left alone): exactly when ``config.optimizer`` is one megatron-muon builds
-   (``fsdp.optimizer_registry.builds_for_fsdp``: ``FsdpOptimizerT``, and SGD, which
+   (``fsdp.optimizer_registry.routed_by_install``: ``FsdpOptimizerT``, and SGD, which
    megatron-core 0.19.2's ``DistributedOptimizer`` refuses) and a model
    chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
    (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
@@ -133,7 +133,7 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
-from megatron_muon.fsdp.optimizer_registry import builds_for_fsdp
+from megatron_muon.fsdp.optimizer_registry import routed_by_install
 from megatron_muon.integrations import (
     adaptive_muon_fix,
     local_core_attention,
@@ -254,7 +254,7 @@ def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Calla
         config = bound.arguments["config"]
         model_chunks = bound.arguments["model_chunks"]
         name = getattr(config, "optimizer", None)
-        if not builds_for_fsdp(str(name)) or not uses_megatron_fsdp(model_chunks):
+        if not routed_by_install(str(name)) or not uses_megatron_fsdp(model_chunks):
             return get_megatron_optimizer(*args, **kwargs)
         return _build_for_megatron_loop(
             config,
