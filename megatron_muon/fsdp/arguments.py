@@ -177,9 +177,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _add_megatron_muon_flags(
     parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
 ) -> None:
-    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--muon-<field>`` per
-    ``MuonConfig`` field, ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field and
-    ``--soap-<field>`` per ``SoapConfig`` field."""
+    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--optimizer-switch-at-load``
+    (ours), ``--muon-<field>`` per ``MuonConfig`` field, ``--adaptive-muon-<field>`` per
+    ``AdaptiveMuonConfig`` field and ``--soap-<field>`` per ``SoapConfig`` field."""
     if not _has_option(parser, "--optimizer"):
         group.add_argument(
             "--optimizer", type=str, default="adam", choices=get_args(MegatronOptimizerT)
@@ -207,9 +207,10 @@ def _add_switch_flag(group: argparse._ArgumentGroup) -> None:
         "of --optimizer's choices), instead of refusing it: params on AdamW in both runs keep "
         "their AdamW state bit for bit (moments and step); state the new optimizer shares with "
         "the old one is carried bit for bit (Adam's exp_avg, Muon's momentum_buffer and Lion's "
-        "exp_avg: the same average of the gradients, equal when their betas are); the rest "
-        "starts fresh. The load logs what was carried and started fresh per pair of optimizers "
-        "(docs/checkpoints.md, 'Bring a run over').",
+        "exp_avg: the same average of the gradients, equal when their betas are; Adam's state "
+        "whole or not at all); the rest starts fresh. The load logs what was carried and started "
+        "fresh per pair of optimizers. Where the learning rate changes too, add "
+        "--override-opt_param-scheduler (docs/checkpoints.md, 'Bring a run over').",
     )
 
 
