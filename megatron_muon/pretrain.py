@@ -46,7 +46,6 @@ from megatron_muon.cli.pretrain_args import add_pretrain_args, config_flags, con
 from megatron_muon.cli.pretrain_data import datasets_provider, forward_step
 from megatron_muon.cli.pretrain_defaults import default_flags, has_transformer_engine
 from megatron_muon.integrations import megatron_lm, megatron_lm_progress
-from megatron_muon.integrations.checkpoint_guards import adam_state
 from megatron_muon.integrations.megatron_lm_progress import RunLog
 
 __all__ = ["main", "add_pretrain_args", "config_flags", "RunLog", "scheduler_mismatch_message"]
@@ -75,8 +74,7 @@ def _write_outputs(args: argparse.Namespace, log: RunLog) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Parses Megatron's flags (plus ours), trains with ``megatron.training.pretrain``."""
-    megatron_lm.install()
-    adam_state.install()  # Adam state on every rank (so a mismatched --load is refused)
+    megatron_lm.install()  # also Adam's state on every rank (checkpoint_guards.adam_state)
     user_flags = list(sys.argv[1:] if argv is None else argv)
     try:
         config_file = config_path(user_flags)

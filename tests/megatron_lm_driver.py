@@ -18,6 +18,11 @@ example starts, for a variable read when used (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOA
 ``torch.load``): unlike ``run_megatron(env=...)``, it needs no launch zygote of its own (one
 costs about 20 s).
 
+``MEGATRON_MUON_DUMP_OPTIMIZER_STATE=<directory>`` in the environment: right after Megatron's
+``setup_model_and_optimizer`` (so after its ``--load``), each rank writes its optimizer state as
+the optimizer hands it to an ``fsdp_dtensor`` save, by param name, each tensor's local rows, to
+``<directory>/rank<r>.pt`` (``{name: {key: tensor}}``): what the load put there, before any step.
+
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
 """
@@ -42,6 +47,7 @@ GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
 SETENV_FLAG = "--megatron-muon-setenv"
 FILE_SIZE_LIMIT_VARIABLE = "MEGATRON_MUON_FILE_SIZE_LIMIT"
+DUMP_STATE_VARIABLE = "MEGATRON_MUON_DUMP_OPTIMIZER_STATE"
 
 
 def _rows(param: Any) -> list[int]:
@@ -82,6 +88,26 @@ def _set_environment(argv: list[str]) -> list[str]:
     return rest
 
 
+def _dump_optimizer_state(optimizer: Any, directory: str) -> None:
+    """``DUMP_STATE_VARIABLE``: this rank's optimizer state by param name, local rows (module
+    docstring). Collective (the state dict makes each param's state exist on every rank)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    metadata = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+    state = optimizer.sharded_state_dict({}, is_loading=False, metadata=metadata)["state"]
+    local = {
+        name: {
+            key: (value.to_local() if isinstance(value, DTensor) else value).clone()
+            for key, value in values.items()
+            if torch.is_tensor(value)
+        }
+        for name, values in state.items()
+    }
+    os.makedirs(directory, exist_ok=True)
+    torch.save(local, os.path.join(directory, f"rank{torch.distributed.get_rank()}.pt"))
+
+
 def main() -> None:
     argv = _set_environment(sys.argv[1:])
     if NO_INSTALL_FLAG in argv:
@@ -102,6 +128,8 @@ def main() -> None:
 
     def setup_and_capture(*args: Any, **kwargs: Any) -> Any:
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
+        if DUMP_STATE_VARIABLE in os.environ:
+            _dump_optimizer_state(optimizer, os.environ[DUMP_STATE_VARIABLE])
         captured["optimizer"] = optimizer
         captured["model"] = model
         grad_norms = captured.setdefault("grad_norms", [])

@@ -84,3 +84,21 @@ def test_an_unknown_flat_keyword_is_refused_naming_it() -> None:
 
     with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['momentun'\]"):
         ShardedMuon(_params(), momentun=0.9)
+
+
+def test_adam_state_install_warns_naming_megatron_lm_install_and_wraps_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron.training import training
+
+    from megatron_muon.integrations.checkpoint_guards import adam_state
+
+    def stock(config: object, model_chunks: object) -> None:  # unwrapped, whatever ran before
+        return None
+
+    monkeypatch.setattr(training, "get_megatron_optimizer", stock)  # restored afterwards
+    for _ in range(2):  # idempotent, also where megatron_lm.install() applied it
+        with pytest.warns(DeprecationWarning, match=r"megatron_lm\.install\(\) applies it"):
+            adam_state.install()
+    wrapped = training.get_megatron_optimizer
+    assert wrapped._megatron_muon_rank_symmetric_state and wrapped.__wrapped__ is stock

@@ -155,12 +155,13 @@ def test_unknown_optimizer_name_is_refused_with_the_known_names():
     from megatron_muon import build_muon_optimizer
     from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
 
-    known = sorted({*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)})
-    assert {"muon", "soap", "psgd_pro", "laprop", "polargrad"} <= set(known)
+    known = sorted({*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT), "sgd"})
+    assert {"muon", "soap", "psgd_pro", "laprop", "polargrad", "sgd"} <= set(known)
+    # Adam on Megatron-FSDP is megatron-core's own (get_megatron_optimizer).
     with pytest.raises(
-        ValueError, match=rf"builds optimizer\(s\) {re.escape(str(known))}.*optimizer='sgd'"
+        ValueError, match=rf"builds optimizer\(s\) {re.escape(str(known))}.*optimizer='adam'"
     ):
-        build_muon_optimizer(gpt_parity.optimizer_config(optimizer="sgd"), [torch.nn.Linear(2, 2)])
+        build_muon_optimizer(gpt_parity.optimizer_config(optimizer="adam"), [torch.nn.Linear(2, 2)])
 
 
 def test_fp16_with_muon_is_refused():

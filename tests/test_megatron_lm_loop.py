@@ -105,8 +105,12 @@ def test_install_is_idempotent_and_wraps_each_function_once(installed: Any) -> N
     validate = installed.validate_args
     assert not hasattr(validate.__wrapped__, "__wrapped__")
     assert not hasattr(installed.parse_args.__wrapped__, "__wrapped__")
-    routed = training.get_megatron_optimizer
+    # Adam's state made rank-symmetric (checkpoint_guards.adam_state) around the routing.
+    symmetric = training.get_megatron_optimizer
+    assert symmetric._megatron_muon_rank_symmetric_state
+    routed = symmetric.__wrapped__
     assert routed._megatron_muon_routed
+    assert not hasattr(routed, "_megatron_muon_rank_symmetric_state")
     assert not hasattr(routed.__wrapped__, "_megatron_muon_routed")
 
 

@@ -102,19 +102,26 @@ def expected_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> tuple[
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         keys = ("step", "exp_avg", "exp_avg_sq")
         return (*keys, "max_exp_avg_sq") if group.get("amsgrad", False) else keys
+    if isinstance(optimizer, torch.optim.SGD):  # a buffer only with momentum
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
     raise TypeError(
         f"checkpointing does not know how {type(optimizer).__name__} creates its state without a "
         "step; supported: Muon (emerging_optimizers OrthogonalizedOptimizer, ShardedMuon), "
         "emerging_optimizers Lion and SOAP, the owner-computed ones (ShardedSOAP, ShardedREKLS, "
-        "ShardedPSGDPro), torch.optim.Adam, torch.optim.AdamW"
+        "ShardedPSGDPro), torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"
     )
 
 
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``create_state`` knows how ``optimizer`` creates its state (Muon, Lion and SOAP of
     emerging-optimizers, ``ShardedMuon``, the owner-computed ``ShardedSOAP``, ``ShardedREKLS`` and
-    ``ShardedPSGDPro``, the row-wise ones, torch ``Adam``/``AdamW``)."""
-    classes = (torch.optim.Adam, OwnerComputedOptimizer, *_emerging_optimizer_classes())
+    ``ShardedPSGDPro``, the row-wise ones, torch ``Adam``/``AdamW``/``SGD``)."""
+    classes = (
+        torch.optim.Adam,
+        torch.optim.SGD,
+        OwnerComputedOptimizer,
+        *_emerging_optimizer_classes(),
+    )
     return isinstance(optimizer, (*classes, *_NAMING_THEIR_STATE))
 
 
@@ -149,6 +156,12 @@ def _create_param_state(optimizer: torch.optim.Optimizer, group: dict, param: to
     if isinstance(optimizer, known):
         # emerging_optimizers' own lazy init (or ours, alike), for params without a grad too.
         optimizer._init_group(group, skip_non_grad_params=False)
+        return
+    if isinstance(optimizer, torch.optim.SGD):
+        # torch's SGD sets its buffer to the first gradient; a zero buffer gives the same bits
+        # (0 * momentum + grad, with dampening 0 as megatron-core builds it).
+        if group["momentum"] != 0:
+            optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
         return
     # torch.optim.Adam._init_group, without taking a step: ``step`` is fp32 when fused, else
     # fp64 under a fp64 default dtype (torch's ``_get_scalar_dtype``); on the param's device when

@@ -41,8 +41,6 @@ ScalarOptimizerT = Literal["adam", "lion"]
 GramHalfDtypeT = Literal["float16", "bfloat16"]
 # Megatron-LM's --muon-fp32-matmul-prec values (``ShardedMuon`` also takes torch's "highest").
 MegatronMatmulPrecT = Literal["low", "medium", "high"]
-# The --optimizer values our copy of Megatron-LM's flag offers (megatron-core 0.19.2 lists more).
-MegatronOptimizerT = Literal["adam", "sgd", "muon", "lion"]
 # The ``OptimizerConfig.optimizer`` values megatron-muon builds for Megatron-FSDP
 # (``fsdp.factory.build_muon_optimizer``; ``install()`` routes these with --use-megatron-fsdp and
 # widens Megatron-LM's --optimizer choices to them). ``RowwiseOptimizerT``: those whose step runs
@@ -51,6 +49,9 @@ RowwiseOptimizerT = Literal["laprop", "oblique_sgd", "oblique_adam"]
 FsdpOptimizerT = Literal[
     "muon", "adaptive_muon", "lion", "soap", "psgd_pro", "rekls", RowwiseOptimizerT
 ]
+# The --optimizer values of our copy of Megatron-LM's flag (``fsdp.arguments``): megatron-core's
+# own adam and sgd, and ours (``fsdp.optimizer_registry`` has an entry for each).
+MegatronOptimizerT = Literal["adam", "sgd", FsdpOptimizerT]
 # The other orthogonalized optimizers of emerging-optimizers 0.3.0 (its registry names, which
 # megatron-core's ``OptimizerConfig.optimizer`` takes), built by ``fsdp.factory`` for a custom
 # trainer (``optimizers.orthogonalized``); Megatron-LM's --optimizer flag does not offer them.

@@ -51,13 +51,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from megatron_muon.common.options import MegatronMatmulPrecT, MegatronOptimizerT
 from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
+from megatron_muon.fsdp.optimizer_registry import OPTIMIZERS
 from megatron_muon.fsdp.qk_clip import QKClipConfig
 from megatron_muon.fsdp.qk_clip_rows import DEFAULT_ALPHA
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_SETTINGS
 from megatron_muon.newton_schulz.methods import NSConfig
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
-from megatron_muon.optimizers.psgd_matrix import PsgdProConfig
-from megatron_muon.optimizers.rekls import RekLsConfig
 from megatron_muon.optimizers.soap_matrix import SoapConfig
 
 __all__ = [
@@ -75,9 +73,12 @@ _GROUP_TITLE = "megatron-muon"
 #: 0.19.2's ``OptimizerConfig`` has no ``<name>_<field>`` (Megatron-LM leaves them on its args;
 #: ``settings_onto_config`` carries them over; ``optimizers.settings.read_settings`` reads them).
 SETTINGS_BEYOND_OPTIMIZER_CONFIG: dict[str, type] = {
-    **ROWWISE_SETTINGS,
-    "psgd_pro": PsgdProConfig,
-    "rekls": RekLsConfig,
+    name: entry.settings
+    for name, entry in OPTIMIZERS.items()
+    # soap_*: OptimizerConfig's fields (``add_optimizer_config_flags`` below)
+    if entry.kind in ("rowwise", "owner_computed")
+    and entry.settings is not None
+    and entry.settings is not SoapConfig
 }
 _FSDP_DEFAULTS = MuonFsdpConfig()
 _MUON_DEFAULTS = MuonConfig()
@@ -179,13 +180,15 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _add_megatron_muon_flags(
     parser: argparse.ArgumentParser, group: argparse._ArgumentGroup
 ) -> None:
-    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--muon-<field>`` per
-    ``MuonConfig`` field, ``--adaptive-muon-<field>`` per ``AdaptiveMuonConfig`` field and
-    ``--soap-<field>`` per ``SoapConfig`` field."""
+    """Megatron-LM's Muon flags, where missing: ``--optimizer``, ``--optimizer-switch-at-load``
+    (ours), ``--muon-<field>`` per ``MuonConfig`` field, ``--adaptive-muon-<field>`` per
+    ``AdaptiveMuonConfig`` field and ``--soap-<field>`` per ``SoapConfig`` field."""
     if not _has_option(parser, "--optimizer"):
         group.add_argument(
             "--optimizer", type=str, default="adam", choices=get_args(MegatronOptimizerT)
         )
+    if not _has_option(parser, "--optimizer-switch-at-load"):
+        _add_switch_flag(group)
     add_optimizer_config_flags(
         parser, group, MuonConfig, "muon", defaults=_MEGATRON_DEFAULTS, choices=_MEGATRON_CHOICES
     )
@@ -196,6 +199,22 @@ def _add_megatron_muon_flags(
     # laprop_*, ..., psgd_pro_*, rekls_*: no OptimizerConfig field (settings_onto_config).
     for name, settings in SETTINGS_BEYOND_OPTIMIZER_CONFIG.items():
         add_optimizer_config_flags(parser, group, settings, name)
+
+
+def _add_switch_flag(group: argparse._ArgumentGroup) -> None:
+    """``--optimizer-switch-at-load`` (``integrations.optimizer_switch``)."""
+    group.add_argument(
+        "--optimizer-switch-at-load",
+        action="store_true",
+        help="Let --load read an fsdp_dtensor checkpoint saved with another --optimizer (any two "
+        "of --optimizer's choices), instead of refusing it: params on AdamW in both runs keep "
+        "their AdamW state bit for bit (moments and step); state the new optimizer shares with "
+        "the old one is carried bit for bit (Adam's exp_avg, Muon's momentum_buffer and Lion's "
+        "exp_avg: the same average of the gradients, equal when their betas are; Adam's state "
+        "whole or not at all); the rest starts fresh. The load logs what was carried and started "
+        "fresh per pair of optimizers. Where the learning rate changes too, add "
+        "--override-opt_param-scheduler (docs/checkpoints.md, 'Bring a run over').",
+    )
 
 
 def settings_onto_config(args: argparse.Namespace, config: Any) -> None:

@@ -17,7 +17,10 @@ or, for ``optimizer="lion"``, as megatron-core routes ``--optimizer lion``: its 
 update is elementwise, so it runs on each rank's row shards as they are (a rank holding no rows
 of a param steps nothing there; its state exists all the same). ``optimizer="soap"``:
 ``ShardedSOAP`` (each matrix's state and work on one owner rank) for those matrices, AdamW for
-the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``fsdp.owner_computed_optimizers``).
+the rest; ``"rekls"``, ``"psgd_pro"`` likewise (``fsdp.owner_computed_optimizers``);
+``optimizer="sgd"``: megatron-core's SGD for every param (its ``DistributedOptimizer`` refuses
+SGD with Megatron-FSDP). Each name's kind, builder and scalar optimizer are its entry in
+``fsdp.optimizer_registry.OPTIMIZERS``: the factory looks it up and wraps what it builds.
 
 Which param goes to which optimizer is ``megatron_muon.fsdp.routing``'s (megatron-core's rules,
 plus the
@@ -37,7 +40,7 @@ which rank holds rows, and a zero-grad step would apply weight decay.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from megatron.core.optimizer.emerging_optimizers import _eopt_init_state_fn
@@ -47,55 +50,29 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_muon.common.console import print_rank_0
 from megatron_muon.common.megatron_fsdp_compat import megatron_fsdp_modules
-from megatron_muon.common.options import FsdpOptimizerT, OrthogonalizedOptimizerT
-from megatron_muon.engine.config import MuonConfig, MuonFsdpConfig
-from megatron_muon.engine.tensor_parallel import check_param_meshes
+from megatron_muon.engine.config import MuonFsdpConfig
 from megatron_muon.fsdp.chained_optimizer import FsdpChainedOptimizer
 from megatron_muon.fsdp.checkpointed_optimizer import MegatronCheckpointedOptimizer
 from megatron_muon.fsdp.elementwise_optimizers import megatron_core_optimizer
-from megatron_muon.fsdp.owner_computed_optimizers import OWNER_COMPUTED, build_owned
-from megatron_muon.fsdp.process_groups import (
-    describe_groups,
-    resolve_pg_collection,
-    row_group,
-    strategy_name,
-)
+from megatron_muon.fsdp.muon_optimizers import MatrixBuild, count_params
+from megatron_muon.fsdp.optimizer_registry import OPTIMIZERS, OptimizerEntry, fsdp_optimizer_names
+from megatron_muon.fsdp.process_groups import resolve_pg_collection, strategy_name
 from megatron_muon.fsdp.qk_clip import QKClipConfig, build_qk_clip
 from megatron_muon.fsdp.routing import (
     RoutedParam,
     Routing,
-    is_qkv,
     param_groups_by_optimizer,
     route_params,
 )
-from megatron_muon.fsdp.rowwise_optimizers import ROWWISE_OPTIMIZERS, build_rowwise
 from megatron_muon.fsdp.step_wrapper import FsdpStepWrapper
-from megatron_muon.optimizers.adaptive_muon import ShardedAdaptiveMuon
-from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
-from megatron_muon.optimizers.muon import ShardedMuon
-from megatron_muon.optimizers.orthogonalized import ShardedOrthogonalized
-from megatron_muon.optimizers.orthogonalized_adapters import SHARDED_ORTHOGONALIZED
 
 __all__ = ["build_muon_optimizer", "get_megatron_muon_optimizer", "RoutedParam", "CkptFormatT"]
 
 #: ``build_muon_optimizer(ckpt_format=...)``: the checkpoint format of the optimizer's state.
 CkptFormatT = Literal["fsdp_dtensor"]
 
-# ``OptimizerConfig.optimizer`` values this factory builds -> the optimizer of the matrices, or
-# None for an elementwise one: megatron-core's own class (its standard path, the one
-# ``muon_scalar_optimizer`` takes) on the matrices' row shards as they are (Lion's update is per
-# element: decoupled decay, the sign of an interpolation of momentum and grad).
-_MATRIX_OPTIMIZERS: dict[str, type[torch.optim.Optimizer] | None] = {
-    "muon": ShardedMuon,
-    "adaptive_muon": ShardedAdaptiveMuon,
-    "lion": None,
-    **OWNER_COMPUTED,  # soap, rekls, psgd_pro
-    **SHARDED_ORTHOGONALIZED,
-    **ROWWISE_OPTIMIZERS,
-}
-assert set(_MATRIX_OPTIMIZERS) == {*get_args(FsdpOptimizerT), *get_args(OrthogonalizedOptimizerT)}
 # ``MuonConfig.scalar_optimizer`` (checked there) -> display name (megatron-core builds it).
-_SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion"}
+_SCALAR_OPTIMIZER_NAMES: dict[str, str] = {"adam": "AdamW", "lion": "Lion", "sgd": "SGD"}
 # ``ckpt_format`` -> the step wrapper class (their docstrings say how each checkpoints).
 _STEP_WRAPPERS: dict[CkptFormatT | None, type[FsdpStepWrapper]] = {
     None: FsdpStepWrapper,
@@ -169,23 +146,22 @@ def build_muon_optimizer(
     _check_config(config)
     _check_step_wrapper_options(ckpt_format, stop_on_nonfinite_grad_norm)
     fsdp_modules = megatron_fsdp_modules(chunks)
+    entry = OPTIMIZERS[config.optimizer]
     # Muon's flags are read (and checked) only where Muon is built; ShardedOrthogonalized reads
     # its class's own settings from ``config``; Lion and SOAP take none of Muon's.
-    matrix_class = _MATRIX_OPTIMIZERS[config.optimizer]
-    muon_config = None
-    if config.optimizer in ("muon", "adaptive_muon"):
-        muon_config = MuonConfig.from_optimizer_config(config)
-    elif matrix_class is not None and issubclass(matrix_class, ShardedOrthogonalized):
-        muon_config = MuonConfig()
+    muon_config = entry.muon_config(config)
     fsdp_config = fsdp_config or MuonFsdpConfig()
     pg_collection = resolve_pg_collection(pg_collection)
     # The rest: muon_scalar_optimizer beside Muon; Adam beside another emerging optimizer, as
-    # megatron-core's default emerging-optimizer entry routes it.
-    scalar_name = muon_config.scalar_optimizer if muon_config is not None else "adam"
-    routing = route_params(chunks, config, config_overrides, scalar_name, config.optimizer)
-    optimizers, summary = _sub_optimizers(
-        config, muon_config, fsdp_config, routing, chunks, fsdp_modules, pg_collection
+    # megatron-core's default emerging-optimizer entry routes it (SGD: SGD, all params).
+    scalar_name = (
+        muon_config.scalar_optimizer if muon_config is not None else entry.scalar_optimizer
     )
+    routing = route_params(chunks, config, config_overrides, scalar_name, config.optimizer)
+    build = MatrixBuild(
+        config, muon_config, fsdp_config, pg_collection, fsdp_modules, routing.qkv_split_shapes
+    )
+    optimizers, summary = _sub_optimizers(entry, build, routing, chunks)
     for line in summary:  # rank 0, at any logging level: which optimizer took which weights
         print_rank_0(line)
     for difference in routing.differences:  # where megatron-core's own optimizer routes otherwise
@@ -224,9 +200,10 @@ get_megatron_muon_optimizer = build_muon_optimizer
 
 
 def _check_config(config: OptimizerConfig) -> None:
-    if config.optimizer not in _MATRIX_OPTIMIZERS:
+    entry = OPTIMIZERS.get(config.optimizer)
+    if entry is None or entry.kind == "megatron_core":
         raise ValueError(
-            f"megatron-muon builds optimizer(s) {sorted(_MATRIX_OPTIMIZERS)} for Megatron-FSDP, "
+            f"megatron-muon builds optimizer(s) {list(fsdp_optimizer_names())} for Megatron-FSDP, "
             f"got optimizer={config.optimizer!r}; use "
             "megatron.core.optimizer.get_megatron_optimizer for other optimizers"
         )
@@ -262,113 +239,38 @@ def _check_step_wrapper_options(
 
 
 def _sub_optimizers(
-    config: OptimizerConfig,
-    muon_config: MuonConfig | None,
-    fsdp_config: MuonFsdpConfig,
-    routing: Routing,
-    chunks: list[torch.nn.Module],
-    fsdp_modules: list[Any],
-    pg_collection: ProcessGroupCollection | None,
+    entry: OptimizerEntry, build: MatrixBuild, routing: Routing, chunks: list[torch.nn.Module]
 ) -> tuple[list[MegatronOptimizer], list[str]]:
-    """Dense Muon, expert Muon and the scalar optimizer (those with params), and their summaries.
+    """The matrices' optimizer (dense and expert apart: ``entry.builder``) and the scalar
+    optimizer (those with params), each ``FP32Optimizer``-wrapped, and their summaries.
 
-    ``muon_config`` None: an owner-computed optimizer (SOAP, REKLS, PSGDPro: its adapter of
-    ``engine.owner_compute``, dense and expert apart, as Muon), or an
-    elementwise matrix optimizer (``routing.matrix_optimizer``, Lion): megatron-core's own class
-    over the dense and expert matrices' row shards together.
+    ``entry.builder`` None (elementwise, Lion): megatron-core's own class over the dense and
+    expert matrices' row shards together, as the scalar optimizer is built.
     """
+    config, pg_collection = build.config, build.pg_collection
     by_target = param_groups_by_optimizer(chunks, config, routing)
     optimizers: list[MegatronOptimizer] = []
     summary: list[str] = []
-    strategy = strategy_name(fsdp_modules)
     names = [routing.scalar_optimizer]
-    if _MATRIX_OPTIMIZERS[config.optimizer] is None:
+    if entry.builder is None and routing.matrix_optimizer != routing.scalar_optimizer:
         names.insert(0, routing.matrix_optimizer)
     for is_expert in (False, True):
         groups = by_target.get((routing.matrix_optimizer, is_expert))
-        if groups and muon_config is not None:
-            muon, line = _muon_optimizer(
-                config,
-                muon_config,
-                groups,
-                is_expert,
-                pg_collection,
-                fsdp_modules,
-                routing.qkv_split_shapes,
-                fsdp_config,
-            )
-            optimizers.append(muon)
-            summary.append(
-                f"{line}, strategy {strategy}, mode {fsdp_config.mode}, "
-                f"tp_mode {muon_config.tp_mode}"
-            )
-        elif groups and config.optimizer in OWNER_COMPUTED:  # soap, rekls, psgd_pro
-            owned, line = build_owned(config, groups, is_expert, pg_collection, fsdp_modules)
-            optimizers.append(_wrap(owned, config, _eopt_init_state_fn, pg_collection))
+        if groups and entry.builder is not None:
+            matrices, line = entry.builder(build, groups, is_expert)
+            optimizers.append(_wrap(matrices, config, _eopt_init_state_fn, pg_collection))
             summary.append(line)
-        elif groups and config.optimizer in ROWWISE_OPTIMIZERS:
-            rowwise, line = build_rowwise(config, groups, is_expert, pg_collection, fsdp_modules)
-            optimizers.append(_wrap(rowwise, config, _eopt_init_state_fn, pg_collection))
-            summary.append(line)
+    strategy = strategy_name(build.fsdp_modules)
     for name in names:
         groups = by_target.get((name, False), []) + by_target.get((name, True), [])
         if groups:
             optimizer, init_state_fn = megatron_core_optimizer(config, chunks, groups, name)
             optimizers.append(_wrap(optimizer, config, init_state_fn, pg_collection))
             summary.append(
-                f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[name]}: {_count(groups)}, "
+                f"megatron-muon {_SCALAR_OPTIMIZER_NAMES[name]}: {count_params(groups)}, "
                 f"strategy {strategy}"
             )
     return optimizers, summary
-
-
-def _muon_optimizer(
-    config: OptimizerConfig,
-    muon_config: MuonConfig,
-    groups: list[dict],
-    is_expert: bool,
-    pg_collection: ProcessGroupCollection | None,
-    fsdp_modules: list[Any],
-    qkv_split_shapes: list[int] | None,
-    fsdp_config: MuonFsdpConfig,
-) -> tuple[FP32Optimizer, str]:
-    """``ShardedMuon`` over dense (``dp_cp``) or expert (``expt_dp``) groups, and its summary."""
-    dp_group, dp_label = row_group(pg_collection, fsdp_modules, is_expert)
-    # Refused here naming the param (ShardedMuon's own check knows positions and shapes only).
-    params = [p for group in groups for p in group["params"]]
-    names = {id(p): n for module in fsdp_modules for n, p in module.named_parameters()}
-    tp_mode = muon_config.tp_mode
-    check_param_meshes(params, dp_group, tp_mode, pg_collection, [names.get(id(p)) for p in params])
-    optimizer_class = _MATRIX_OPTIMIZERS[config.optimizer]
-    assert optimizer_class is not None and issubclass(optimizer_class, ShardedMuon), "Muon runs"
-    # The matrix optimizer's own settings beyond Muon's, from ``OptimizerConfig``.
-    extra: dict[str, Any] = {}
-    if optimizer_class is ShardedAdaptiveMuon:
-        extra["adaptive"] = AdaptiveMuonConfig.from_optimizer_config(config)
-    common: dict[str, Any] = dict(fsdp=fsdp_config, dp_group=dp_group, pg_collection=pg_collection)
-    if issubclass(optimizer_class, ShardedOrthogonalized):  # its own settings from ``config``
-        muon: ShardedMuon = optimizer_class.from_optimizer_config(groups, config, **common)
-    else:
-        muon = optimizer_class(
-            groups,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            muon=muon_config,
-            is_qkv_fn=is_qkv,
-            qkv_split_shapes=qkv_split_shapes,
-            **common,
-            **extra,
-        )
-    kind = "expert" if is_expert else "dense"
-    name = "Muon"
-    if isinstance(muon, ShardedAdaptiveMuon):
-        name = f"AdaptiveMuon({muon.moment2_method})"
-    name = type(muon.reference).__name__ if isinstance(muon, ShardedOrthogonalized) else name
-    line = (
-        f"megatron-muon {name}[{kind}]: {_count(groups)} over "
-        f"{describe_groups(dp_group, dp_label, pg_collection, is_expert)}"
-    )
-    return _wrap(muon, config, _eopt_init_state_fn, pg_collection), line
 
 
 def _wrap(
@@ -385,13 +287,3 @@ def _wrap(
         getattr(pg_collection, "expt_tp", tp_group) if pg_collection is not None else None
     )
     return wrapped
-
-
-# --------------------------------------------------------------------------------------------------
-# summary
-# --------------------------------------------------------------------------------------------------
-
-
-def _count(groups: list[dict]) -> str:
-    params = [p for g in groups for p in g["params"]]
-    return f"{len(params)} params, {sum(p.numel() for p in params):,} elements"

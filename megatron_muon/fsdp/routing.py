@@ -132,7 +132,9 @@ def route_params(
     routing = [RoutedParam(name, route(p, name), is_expert(p), tuple(p.shape)) for name, p in named]
     if matrix_name == "muon":
         _check_muon_params(routing)
-    differences = _routing_differences(chunks, named, user_overrides, scalar_name, matrix_name)
+    differences = []  # one optimizer for all (SGD): no routing to differ
+    if matrix_name != scalar_name:
+        differences = _routing_differences(chunks, named, user_overrides, scalar_name, matrix_name)
     return Routing(routing, overrides, qkv_split_shapes, matrix_name, scalar_name, differences)
 
 

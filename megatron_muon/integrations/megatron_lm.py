@@ -37,7 +37,9 @@ megatron-core fixes 6, 7, 8 and 11):
    Megatron-FSDP never reduces gradients across the HSDP replicas.
 3. ``get_megatron_optimizer`` as ``megatron.training.training`` imported it (the name
    ``setup_model_and_optimizer`` calls; ``megatron.core.optimizer.get_megatron_optimizer`` itself is
-   left alone): exactly when ``config.optimizer`` is one of ``FsdpOptimizerT`` and a model
+   left alone): exactly when ``config.optimizer`` is one megatron-muon builds
+   (``fsdp.optimizer_registry.routed_by_install``: ``FsdpOptimizerT``, and SGD, which
+   megatron-core 0.19.2's ``DistributedOptimizer`` refuses) and a model
    chunk is wrapped by Megatron-FSDP, it returns megatron-muon's optimizer
    (``megatron_muon.build_muon_optimizer``: exact Muon on FSDP shards behind a step wrapper that
    installs the weights and re-syncs params; inside this loop gradients were already reduced by
@@ -50,6 +52,9 @@ megatron-core fixes 6, 7, 8 and 11):
    step under every sharded strategy (Newton-Schulz and the QKV split on uneven row shards;
    ranks whose shard is empty skip a collective the others enter). A custom loop calls
    ``build_muon_optimizer`` itself, saying whether it calls ``finish_grad_sync``.
+   ``--optimizer adam`` or ``sgd`` with Megatron-FSDP (megatron-core's own optimizer) gets every
+   param's state on every rank at build time (``checkpoint_guards.adam_state``): stock, its
+   lazily created state hangs the first ``fsdp_dtensor`` save.
 4. ``load_checkpoint`` as ``megatron.training.training`` imported it: an ``fsdp_dtensor``
    checkpoint whose vocabulary padding differs from this run's (padding follows the
    tensor-parallel size) is refused before anything loads, with an error naming both sizes and
@@ -98,15 +103,15 @@ megatron-core fixes 6, 7, 8 and 11):
     first step and would scale twice, is replaced in megatron-core's registry by a fixed subclass
     (``adaptive_muon_fix``).
 
-Every other combination (adam or sgd with Megatron-FSDP, muon without Megatron-FSDP, ...) reaches
-the original functions with the original arguments. Checked against megatron-core 0.19.0 and 0.19.2
-(0.19.1 was never published): between them only the version strings, the inference text server,
-``model_chunk_schedule_plan``, ``multi_token_prediction`` and ``transformer_layer`` changed; every
-function patched here, and every module the factory, the step wrapper and the checkpointing import
-(``megatron.training``, ``megatron.core.optimizer``, ``distributed``, the vendored
-``megatron_fsdp``, ``fsdp_dtensor_checkpoint``) is byte-identical. ``install()`` accepts
-``SUPPORTED_MEGATRON_CORE`` (pyproject.toml declares the same range) and raises on any other
-version rather than patch code it has not read.
+Every other combination (adam with Megatron-FSDP but for its state made at build time, muon without
+Megatron-FSDP, ...) reaches the original functions with the original arguments. Checked against
+megatron-core 0.19.0 and 0.19.2 (0.19.1 was never published): between them only the version strings,
+the inference text server, ``model_chunk_schedule_plan``, ``multi_token_prediction`` and
+``transformer_layer`` changed; every function patched here, and every module the factory, the step
+wrapper and the checkpointing import (``megatron.training``, ``megatron.core.optimizer``,
+``distributed``, the vendored ``megatron_fsdp``, ``fsdp_dtensor_checkpoint``) is byte-identical.
+``install()`` accepts ``SUPPORTED_MEGATRON_CORE`` (pyproject.toml declares the same range) and
+raises on any other version rather than patch code it has not read.
 On a machine without a GPU, ``install()`` also applies ``megatron_muon.cpu_stand_ins.
 install_for_training()`` (gloo/CPU runs); with a GPU nothing of that module is touched.
 """
@@ -117,12 +122,11 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
 from megatron_muon.common.megatron_fsdp_compat import uses_megatron_fsdp
-from megatron_muon.common.options import FsdpOptimizerT
 from megatron_muon.fsdp.arguments import (
     fsdp_config_from_args,
     qk_clip_config_from_args,
@@ -132,6 +136,7 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
     MegatronCheckpointedOptimizer,
     megatron_args,
 )
+from megatron_muon.fsdp.optimizer_registry import routed_by_install
 from megatron_muon.integrations import (
     adaptive_muon_fix,
     local_core_attention,
@@ -140,6 +145,7 @@ from megatron_muon.integrations import (
     stock_lion,
 )
 from megatron_muon.integrations.checkpoint_guards import integrity as checkpoint_integrity
+from megatron_muon.integrations.checkpoint_guards.adam_state import with_rank_symmetric_state
 from megatron_muon.integrations.checkpoint_guards.optimizer_kind import (
     checking_optimizer_state_first,
 )
@@ -209,6 +215,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     arguments.parse_args = with_muon_args(arguments.parse_args)
     arguments.validate_args = accepting_muon_with_fsdp(arguments.validate_args, arguments)
     training.get_megatron_optimizer = _routing_muon_with_fsdp(training.get_megatron_optimizer)
+    training.get_megatron_optimizer = with_rank_symmetric_state(training.get_megatron_optimizer)
     training.load_checkpoint = checking_vocab_padding_first(training.load_checkpoint)
     training.load_checkpoint = checking_optimizer_state_first(training.load_checkpoint)
     training.load_checkpoint = refusing_unsafe_pickles(training.load_checkpoint)
@@ -254,7 +261,7 @@ def _routing_muon_with_fsdp(get_megatron_optimizer: Callable[..., Any]) -> Calla
         config = bound.arguments["config"]
         model_chunks = bound.arguments["model_chunks"]
         name = getattr(config, "optimizer", None)
-        if name not in get_args(FsdpOptimizerT) or not uses_megatron_fsdp(model_chunks):
+        if not routed_by_install(str(name)) or not uses_megatron_fsdp(model_chunks):
             return get_megatron_optimizer(*args, **kwargs)
         return _build_for_megatron_loop(
             config,

@@ -27,6 +27,7 @@ from typing import Any, get_args
 
 from megatron_muon.common.options import FsdpOptimizerT, TpModeT
 from megatron_muon.fsdp.arguments import SETTINGS_BEYOND_OPTIMIZER_CONFIG, check_muon_args
+from megatron_muon.fsdp.optimizer_registry import megatron_lm_optimizer_names
 from megatron_muon.optimizers.adaptive_muon_config import AdaptiveMuonConfig
 from megatron_muon.optimizers.settings import read_settings
 from megatron_muon.optimizers.soap_matrix import SoapConfig
@@ -54,11 +55,12 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     widening Megatron's own ``--muon-tp-mode`` choices to ours (``TpModeT``: megatron-core
     0.19.2 lists blockwise, duplicated, distributed; ``layer_sharded`` runs in ``ShardedMuon``
     only, which ``accepting_muon_with_fsdp`` makes sure of), and its ``--optimizer`` choices to
-    ``FsdpOptimizerT``'s (megatron-core 0.19.2 lacks psgd_pro and rekls)."""
+    the registry's (``fsdp.optimizer_registry.megatron_lm_optimizer_names``; megatron-core 0.19.2
+    lacks psgd_pro, rekls and the row-wise ones)."""
     from megatron_muon.fsdp.arguments import add_muon_args
 
     _widen_choices(parser, "--muon-tp-mode", _OUR_TP_MODES)
-    _widen_choices(parser, "--optimizer", get_args(FsdpOptimizerT))
+    _widen_choices(parser, "--optimizer", megatron_lm_optimizer_names())
     if "--muon-fsdp-mode" in parser._option_string_actions:
         return parser
     return add_muon_args(parser)

@@ -5,7 +5,13 @@ run's ``momentum_buffer`` into an Adam run, or the reverse): Megatron's partial 
 collectives for state the checkpoint does not hold. ``check_optimizer_state_kinds`` first compares
 the optimizer state keys in the checkpoint's DCP metadata with this run's and raises
 ``CheckpointMismatchError`` on every rank (each reads the same file) before any collective;
-``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check.
+``--no-load-optim`` and ``--finetune`` skip the optimizer state and the check. The checkpoint's
+optimizer is the ``args.optimizer`` Megatron saved in it (read restricted:
+``checkpointing.safe_unpickle``), so that LaProp's or ObliqueAdam's state, whose keys are Adam's,
+is told from Adam's; a checkpoint without ``args`` is told by its state keys
+(``optimizer_of_state``). With ``--optimizer-switch-at-load`` (or ``load_checkpoint(...,
+optimizer_switch_at_load=True)``) another optimizer's checkpoint loads instead, through
+``integrations.optimizer_switch`` (what is carried, converted and started fresh).
 
 adaptive_muon's normuon and namo second moments are per tensor-parallel partition
 (``optimizers.moment2_partitions``: each partition's row or column statistics, stacked): a
@@ -31,6 +37,7 @@ from megatron_muon.checkpointing import (
 from megatron_muon.checkpointing.safe_unpickle import load_item
 from megatron_muon.integrations.checkpoint_guards.load_directory import checkpoint_directory
 from megatron_muon.integrations.checkpoint_guards.pickles import trusts_pickles
+from megatron_muon.integrations.optimizer_switch import SwitchPlan, switched_state
 
 __all__ = [
     "BRIDGE_NAMES",
@@ -108,10 +115,15 @@ class LoadSettingNames(NamedTuple):
     optimizer: str
     option: str
     weights_alone: str
+    switch: str = ""  # how to continue with this run's optimizer instead, where there is a way
 
 
 MEGATRON_LM_NAMES = LoadSettingNames(
-    "--load {}", "--optimizer {}", "--optimizer", "Pass --no-load-optim to load the weights alone"
+    "--load {}",
+    "--optimizer {}",
+    "--optimizer",
+    "Pass --no-load-optim to load the weights alone",
+    ", or --optimizer-switch-at-load to continue with this run's optimizer (docs/checkpoints.md)",
 )
 BRIDGE_NAMES = LoadSettingNames(
     "checkpoint.load={!r}",
@@ -128,70 +140,134 @@ def state_kinds_refusal(
     load: str,
     directory: str,
     names: LoadSettingNames = MEGATRON_LM_NAMES,
+    *,
+    saved_optimizer: str | None = None,
 ) -> str | None:
     """Why the optimizer state ``saved`` (per param) cannot load into this run's (``mine``,
     ``--optimizer optimizer``): the keys differ, or the state is another optimizer's (Lion's and
-    Adam's keys are the same names, held by different params). None: it can."""
+    Adam's keys are the same names, held by different params; LaProp's and Adam's too, told
+    apart by ``saved_optimizer``, the checkpoint's ``args.optimizer`` where it has one). None: it
+    can."""
     if not saved or not mine:
         return None
     saved_union, mine_union = set().union(*saved), set().union(*mine)
-    saved_by, mine_by = optimizer_of_state(saved), optimizer_of_state(mine)
-    if saved_union == mine_union and saved_by == mine_by:
+    saved_by: str | None
+    if saved_optimizer is not None:
+        saved_by, same_optimizer = saved_optimizer, saved_optimizer == optimizer
+    else:
+        saved_by = optimizer_of_state(saved)
+        same_optimizer = saved_by == optimizer_of_state(mine)
+    if saved_union == mine_union and same_optimizer:
         return None
     by = f" (saved by {names.optimizer.format(saved_by)})" if saved_by is not None else ""
     return (
         f"{names.load.format(load)}: checkpoint {directory}{by} holds optimizer state "
         f"{sorted(saved_union)}, this run's {names.optimizer.format(optimizer)} keeps "
         f"{sorted(mine_union)} (saved by a run with another {names.option}?). "
-        f"{names.weights_alone}, or the {names.option} the checkpoint was saved with"
+        f"{names.weights_alone}, or the {names.option} the checkpoint was saved with{names.switch}"
     )
 
 
 def refuse_another_optimizers_state(
-    directory: str, optimizer: Any, name: str, load: str, names: LoadSettingNames
+    directory: str,
+    optimizer: Any,
+    name: str,
+    load: str,
+    names: LoadSettingNames,
+    *,
+    saved_optimizer: str | None = None,
 ) -> list[set[str]]:
     """Raises when DCP checkpoint ``directory``'s optimizer state is not ``optimizer``'s (this
-    run's, ``name``) (``state_kinds_refusal``); returns the saved state keys per param.
+    run's, ``name``) (``state_kinds_refusal``; ``saved_optimizer``: the checkpoint's
+    ``args.optimizer``, None where unknown); returns the saved state keys per param.
 
     Raises:
         IncompleteCheckpointError: the checkpoint's ``.metadata`` does not read (named).
         CheckpointMismatchError: the refusal, naming both optimizers.
     """
     saved = _saved_state_kinds(directory)
-    refusal = state_kinds_refusal(saved, _run_state_kinds(optimizer), name, load, directory, names)
+    refusal = state_kinds_refusal(
+        saved,
+        _run_state_kinds(optimizer),
+        name,
+        load,
+        directory,
+        names,
+        saved_optimizer=saved_optimizer,
+    )
     if refusal is not None:
         raise CheckpointMismatchError(refusal)
     return saved
 
 
-def check_optimizer_state_kinds(args: Any, optimizer: Any) -> None:
-    """Raises when the checkpoint ``--load`` reads holds optimizer state of another kind.
+def _saved_args(directory: str, args: Any) -> Any:
+    """The ``args`` Megatron saved in the checkpoint (read restricted), or None without them."""
+    try:
+        return load_item(directory, "args", trust_pickles=trusts_pickles(args))
+    except KeyError:
+        return None
 
-    Reads only the checkpoint's DCP metadata (every rank the same file: every rank decides alike).
+
+def check_optimizer_state_kinds(
+    args: Any, optimizer: Any, *, switch: bool = False
+) -> SwitchPlan | None:
+    """Raises when the checkpoint ``--load`` reads holds optimizer state of another kind; with
+    ``switch``, returns the plan of the switched load instead (``optimizer_switch``).
+
+    Reads only the checkpoint's DCP metadata and saved ``args`` (every rank the same file: every
+    rank decides alike). None: the load goes on as Megatron's.
 
     Raises:
         IncompleteCheckpointError: the checkpoint's ``.metadata`` does not read (named).
         CheckpointMismatchError: the state keys differ (e.g. ``momentum_buffer`` from a Muon run
             loaded into ``--optimizer adam``), or they are another optimizer's
-            (``state_kinds_refusal``); the message names both optimizers.
+            (``state_kinds_refusal``); the message names both optimizers. With ``switch``: the
+            checkpoint's optimizer is unknown (no ``args`` in it).
     """
     if (
         optimizer is None
         or getattr(args, "no_load_optim", False)
         or getattr(args, "finetune", False)
     ):
-        return
+        return None
     if getattr(args, "ckpt_format", None) != "fsdp_dtensor":
-        return
+        return None
     directory = checkpoint_directory(args)
     if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
-        return  # Megatron's own load reports a missing checkpoint
-    saved = refuse_another_optimizers_state(
-        directory, optimizer, args.optimizer, args.load, MEGATRON_LM_NAMES
+        return None  # Megatron's own load reports a missing checkpoint
+    saved = _saved_state_kinds(directory)  # first: a .metadata that does not read is named
+    saved_args = _saved_args(directory, args)
+    saved_by = getattr(saved_args, "optimizer", None)
+    refusal = state_kinds_refusal(
+        saved,
+        _run_state_kinds(optimizer),
+        args.optimizer,
+        args.load,
+        directory,
+        MEGATRON_LM_NAMES,
+        saved_optimizer=saved_by,
     )
-    refusal = tensor_parallel_refusal(args, directory, saved)
-    if refusal is not None:
+    if refusal is not None and not switch:
         raise CheckpointMismatchError(refusal)
+    if refusal is not None:
+        if saved_by is None:
+            raise CheckpointMismatchError(
+                f"{refusal}. --optimizer-switch-at-load: the checkpoint holds no args saying "
+                "which --optimizer saved it"
+            )
+        keys = _read_metadata_keys(directory, args)
+        return SwitchPlan.from_metadata(keys, saved_by, args.optimizer, saved_args, args)
+    refusal_text = tensor_parallel_refusal(args, directory, saved)
+    if refusal_text is not None:
+        raise CheckpointMismatchError(refusal_text)
+    return None
+
+
+def _read_metadata_keys(directory: str, args: Any) -> list[str]:
+    from megatron_muon.checkpointing.safe_unpickle import read_metadata
+
+    metadata = read_metadata(directory, trust_pickles=trusts_pickles(args))
+    return list(metadata.state_dict_metadata)
 
 
 def tensor_parallel_refusal(args: Any, directory: str, saved: list[set[str]]) -> str | None:
@@ -200,10 +276,7 @@ def tensor_parallel_refusal(args: Any, directory: str, saved: list[set[str]]) ->
     the checkpoint holds none (``saved``: its state keys per param)."""
     if optimizer_of_state(saved) != "adaptive_muon":
         return None
-    try:
-        saved_args = load_item(directory, "args", trust_pickles=trusts_pickles(args))
-    except KeyError:
-        return None
+    saved_args = _saved_args(directory, args)
     method = getattr(saved_args, "adaptive_muon_moment2_method", None)
     saved_tp = getattr(saved_args, "tensor_model_parallel_size", None)
     mine = getattr(args, "tensor_model_parallel_size", 1)
@@ -219,11 +292,28 @@ def tensor_parallel_refusal(args: Any, directory: str, saved: list[set[str]]) ->
 
 
 def checking_optimizer_state_first(load_checkpoint: Any) -> Any:
+    """``load_checkpoint`` refusing another optimizer's state (``check_optimizer_state_kinds``),
+    or loading it switched where ``--optimizer-switch-at-load`` or the keyword
+    ``optimizer_switch_at_load=True`` asks (the keyword wins over the flag)."""
+
     @functools.wraps(load_checkpoint)
-    def load_checkpoint_checked(model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def load_checkpoint_checked(
+        model: Any,
+        optimizer: Any,
+        *args: Any,
+        optimizer_switch_at_load: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
         from megatron.training import get_args
 
-        check_optimizer_state_kinds(get_args(), optimizer)
-        return load_checkpoint(model, optimizer, *args, **kwargs)
+        megatron = get_args()
+        switch = optimizer_switch_at_load
+        if switch is None:
+            switch = bool(getattr(megatron, "optimizer_switch_at_load", False))
+        plan = check_optimizer_state_kinds(megatron, optimizer, switch=switch)
+        if plan is None:
+            return load_checkpoint(model, optimizer, *args, **kwargs)
+        with switched_state(optimizer, plan):
+            return load_checkpoint(model, optimizer, *args, **kwargs)
 
     return load_checkpoint_checked
