@@ -10,7 +10,8 @@ checkpoint from elsewhere (shared storage, a download) could run code when loade
 listings of each save detect accidents, not an attacker, who rewrites them too.
 
 Here every such pickle is read by a restricted unpickler admitting only ``allowed_globals()``:
-what our saves and Megatron-LM's ``fsdp_dtensor`` saves write (DCP's metadata classes,
+what our saves and Megatron-LM's ``fsdp_dtensor`` and ``torch_dist`` saves write (DCP's metadata
+and save-plan classes,
 ``torch.Size``, dtypes, containers, numbers, strings, NumPy's RNG arrays, ``argparse.Namespace``
 and megatron-core's enums of Megatron's ``args``). Any other global raises
 ``UnsafeCheckpointError`` naming the file and the global, from ``find_class`` (or torch's
@@ -18,6 +19,7 @@ and megatron-core's enums of Megatron's ``args``). Any other global raises
 up: nothing of the pickle runs.
 
 - ``read_metadata(directory)``: ``.metadata``, restricted (``pickle.Unpickler.find_class``);
+- ``load_item(directory, key)`` / ``load_items(directory, keys)``: values DCP stored whole;
 - ``load_pickled(data, where)``: a ``torch.save`` blob, restricted (``torch.load(weights_only=
   True)`` under ``torch.serialization.safe_globals``);
 - ``check_pickles(directory)``: every pickle a load of ``directory`` would read, read restricted
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from megatron_muon.checkpointing.errors import UnsafeCheckpointError
@@ -56,6 +59,7 @@ __all__ = [
     "allowed_globals",
     "check_pickles",
     "load_item",
+    "load_items",
     "load_pickled",
     "read_metadata",
 ]
@@ -109,6 +113,13 @@ def allowed_globals() -> dict[str, Any]:
         dcp_metadata.ChunkStorageMetadata,
         dcp_metadata._MEM_FORMAT_ENCODING,
         _StorageInfo,
+        # megatron-core's torch_dist saves keep their save plans in the metadata too
+        # (``Metadata.mcore_data``): DCP's planner dataclasses and enum, no callables.
+        dcp_planner.SavePlan,
+        dcp_planner.WriteItem,
+        dcp_planner.WriteItemType,
+        dcp_planner.TensorWriteData,
+        dcp_planner.BytesIOWriteData,
     ]
     plain: list[Any] = [
         *dcp_types,
@@ -223,6 +234,28 @@ def load_item(directory: str, key: str, *, trust_pickles: bool = False) -> Any:
             file, data = _stored_bytes(directory, info)
             return load_pickled(data, f"{file} (item {key})", trust_pickles=trust_pickles)
     raise KeyError(f"{directory} stores no {key}")
+
+
+def load_items(
+    directory: str, keys: list[str], metadata: dcp_metadata.Metadata | None = None
+) -> dict[str, Any]:
+    """The values DCP stored whole under ``keys`` in checkpoint ``directory``, each read
+    restricted (``load_item`` for many keys, the metadata read once: pass it where read already).
+
+    Raises:
+        KeyError: a key is not stored whole (or stored transformed).
+        UnsafeCheckpointError: a pickle names a global outside ``allowed_globals()``.
+    """
+    metadata = metadata or read_metadata(directory)
+    wanted = set(keys)
+    found: dict[str, Any] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in wanted and not info.transform_descriptors and index.fqn not in found:
+            file, data = _stored_bytes(directory, info)
+            found[index.fqn] = load_pickled(data, f"{file} (item {index.fqn})")
+    if missing := sorted(wanted - set(found)):
+        raise KeyError(f"{directory} stores no {missing[:5]} ({len(missing)} missing)")
+    return found
 
 
 def _check_value(data: bytes, where: str) -> None:
