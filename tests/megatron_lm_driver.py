@@ -15,6 +15,11 @@ that save.
 
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
+
+``--megatron-muon-rank-symmetric-adam`` also applies ``integrations.checkpoint_guard.install()``
+(as ``python -m megatron_muon.pretrain`` does): stock Adam on Megatron-FSDP with its state on every
+rank, without which its fsdp_dtensor save and load hang (a rank with 0 rows of a param holds no
+Adam state for it).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ LAYOUT_MARKER = "MEGATRON_MUON_LAYOUT "
 OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
+RANK_SYMMETRIC_ADAM_FLAG = "--megatron-muon-rank-symmetric-adam"
 FILE_SIZE_LIMIT_VARIABLE = "MEGATRON_MUON_FILE_SIZE_LIMIT"
 
 
@@ -75,6 +81,12 @@ def main() -> None:
             integration.use_shipped_dataset_helpers()  # packaging, not Muon: stock needs it too
 
         integration.install = stand_ins_only
+
+    if RANK_SYMMETRIC_ADAM_FLAG in argv:
+        argv.remove(RANK_SYMMETRIC_ADAM_FLAG)
+        from megatron_muon.integrations import checkpoint_guard
+
+        checkpoint_guard.install()
 
     import megatron.training.training as training
 
