@@ -44,16 +44,35 @@ def _per_param(keys: list[str], prefix: str) -> dict[str, dict[str, str]]:
     return found
 
 
-def _join_swiglu(values: dict[str, Any], swiglu: bool) -> dict[str, Any]:
-    """``<name>_w`` and ``<name>_v`` of swiglu's ``linear_fc1`` -> ``<name>`` (rows joined)."""
+def _join_halves(table: dict[str, Any], swiglu: bool, join: Any) -> dict[str, Any]:
+    """swiglu's ``<name>_w`` and ``<name>_v`` entries (of ``linear_fc1``) -> one ``<name>`` entry,
+    ``join(name, first, second)``; ``table`` as it is without swiglu."""
     if not swiglu:
-        return values
-    joined = dict(values)
-    for name in [n for n in values if n.endswith("_w") and names.is_swiglu_fc1(n[:-2])]:
+        return table
+    joined = dict(table)
+    for name in [n for n in table if n.endswith("_w") and names.is_swiglu_fc1(n[:-2])]:
         whole = name[:-2]
-        first, second = joined.pop(name), joined.pop(f"{whole}_v")
-        joined[whole] = torch.cat([first, second]) if torch.is_tensor(first) else first
+        joined[whole] = join(whole, joined.pop(name), joined.pop(f"{whole}_v"))
     return joined
+
+
+def _rows(_: str, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return torch.cat([first, second])
+
+
+def _state_rows(_: str, first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> Any:
+    return {kind: torch.cat([first[kind], second[kind]]) for kind in first}
+
+
+def _alike(name: str, first: Any, second: Any) -> Any:
+    """A per-param value both halves hold alike (step, group fields).
+
+    Raises:
+        ConversionRefused: the halves differ.
+    """
+    if first != second:
+        raise ConversionRefused(f"{name}: its swiglu halves differ ({first}, {second})")
+    return first
 
 
 def read_fsdp_dtensor(directory: str) -> ModelSpace:
@@ -87,14 +106,11 @@ def read_fsdp_dtensor(directory: str) -> ModelSpace:
     tensors = files.tensors(
         [*weights.values(), *(k for v in state_keys.values() for k in v.values())]
     )
-    params = _join_swiglu({n: tensors[k] for n, k in weights.items()}, swiglu)
-    state = _join_state_halves(
-        {
-            n: {kind: tensors[k] for kind, k in v.items() if kind != "step"}
-            for n, v in state_keys.items()
-        },
-        swiglu,
-    )
+    params = _join_halves({n: tensors[k] for n, k in weights.items()}, swiglu, _rows)
+    state = {
+        n: {kind: tensors[k] for kind, k in v.items() if kind != "step"}
+        for n, v in state_keys.items()
+    }
     steps = {n: float(tensors[v["step"]]) for n, v in state_keys.items() if "step" in v}
     metas = _per_param(objects, names.FSDP_META_PREFIX)
     groups = {n: {leaf: read[k] for leaf, k in leaves.items()} for n, leaves in metas.items()}
@@ -103,44 +119,15 @@ def read_fsdp_dtensor(directory: str) -> ModelSpace:
     }
     return ModelSpace(
         params=params,
-        state=state,
-        steps=_join_halves_alike(steps, swiglu),
-        groups=_join_halves_alike(groups, swiglu),
+        state=_join_halves(state, swiglu, _state_rows),
+        steps=_join_halves(steps, swiglu, _alike),
+        groups=_join_halves(groups, swiglu, _alike),
         scheduler=scheduler,
         args=args,
         iteration=int(read["iteration"]),
         flops=float(read["num_floating_point_operations_so_far"]),
         checkpoint_version=float(read["checkpoint_version"]),
     )
-
-
-def _join_state_halves(
-    state: dict[str, dict[str, torch.Tensor]], swiglu: bool
-) -> dict[str, dict[str, torch.Tensor]]:
-    if not swiglu:
-        return state
-    joined = dict(state)
-    for name in [n for n in state if n.endswith("_w") and names.is_swiglu_fc1(n[:-2])]:
-        first, second = joined.pop(name), joined.pop(f"{name[:-2]}_v")
-        joined[name[:-2]] = {kind: torch.cat([first[kind], second[kind]]) for kind in first}
-    return joined
-
-
-def _join_halves_alike(table: dict[str, Any], swiglu: bool) -> dict[str, Any]:
-    """A per-param value the two halves hold alike (step, group fields) under the whole name.
-
-    Raises:
-        ConversionRefused: the halves differ.
-    """
-    if not swiglu:
-        return table
-    joined = dict(table)
-    for name in [n for n in table if n.endswith("_w") and names.is_swiglu_fc1(n[:-2])]:
-        first, second = joined.pop(name), joined.pop(f"{name[:-2]}_v")
-        if first != second:
-            raise ConversionRefused(f"{name[:-2]}: its swiglu halves differ ({first}, {second})")
-        joined[name[:-2]] = first
-    return joined
 
 
 # --------------------------------------------------------------------------------------------------

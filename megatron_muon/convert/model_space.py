@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["CARRIED_OPTIMIZERS", "ConversionRefused", "ModelSpace"]
+__all__ = [
+    "ADAM_STATE",
+    "CARRIED_OPTIMIZERS",
+    "ConversionRefused",
+    "ModelSpace",
+    "check_source_args",
+    "refuse_unless",
+]
 
 # The --optimizer values whose state both formats hold alike (per param, elementwise).
 CARRIED_OPTIMIZERS = ("adam",)

@@ -33,6 +33,7 @@ __all__ = [
     "FSDP_STATE_PREFIX",
     "FormatT",
     "fsdp_names",
+    "is_stacked",
     "is_swiglu_fc1",
     "layer_of",
     "no_weight_decay",
