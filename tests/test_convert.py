@@ -183,3 +183,15 @@ def test_an_fsdp_dtensor_checkpoint_of_muon_state_is_refused_naming_the_state(
     write_checkpoint(str(tmp_path / "muon" / "iter_0000007"), values)
     with pytest.raises(ConversionRefused, match="momentum_buffer"):
         convert("fsdp_dtensor", str(tmp_path / "muon" / "iter_0000007"), str(tmp_path / "out"))
+
+
+def test_the_command_line_prints_a_refusal_naming_it_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_muon.convert.__main__ import main
+
+    source = _saved_torch_dist(tmp_path, _space(), param_state_sharding_type="dp_reshardable")
+    assert main(["--from", "torch_dist", str(source), str(tmp_path / "out")]) == 2
+    printed = capsys.readouterr().err
+    assert printed.startswith("refused: ") and "'dp_reshardable'" in printed
+    assert not (tmp_path / "out").exists()

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import get_args
 
-from megatron_muon.convert.model_space import ConversionRefused
+from megatron_muon.checkpointing.errors import UnsafeCheckpointError
 from megatron_muon.convert.names import FormatT
 from megatron_muon.convert.run import convert
 
@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = convert(args.source_format, args.source, args.target)
-    except (ConversionRefused, FileExistsError, FileNotFoundError) as error:
+    except (
+        ValueError,
+        OSError,
+        UnsafeCheckpointError,
+    ) as error:  # ConversionRefused is a ValueError
         print(f"refused: {error}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines()))
