@@ -26,11 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         summary = convert(args.source_format, args.source, args.target)
-    except (
-        ValueError,
-        OSError,
-        UnsafeCheckpointError,
-    ) as error:  # ConversionRefused is a ValueError
+    # ConversionRefused is a ValueError; OSError: no checkpoint there, or DST holds it already.
+    except (ValueError, OSError, UnsafeCheckpointError) as error:
         print(f"refused: {error}", file=sys.stderr)
         return 2
     print("\n".join(summary.lines()))
