@@ -195,3 +195,16 @@ def test_the_command_line_prints_a_refusal_naming_it_and_exits_2(
     printed = capsys.readouterr().err
     assert printed.startswith("refused: ") and "'dp_reshardable'" in printed
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path: Path) -> None:
+    from megatron_muon.checkpointing import UnsafeCheckpointError
+    from tests.crafted_pickles import Payload
+
+    values = torch_dist_values(_space())
+    marker = tmp_path / "ran"
+    values[COMMON_KEY][0]["args"].note = Payload(str(marker))  # in Megatron's args
+    write_checkpoint(str(tmp_path / "crafted" / "iter_0000007"), values)
+    with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system"):
+        convert("torch_dist", str(tmp_path / "crafted" / "iter_0000007"), str(tmp_path / "out"))
+    assert not marker.exists() and not (tmp_path / "out").exists()
