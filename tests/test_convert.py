@@ -162,8 +162,9 @@ def test_torch_dist_to_fsdp_dtensor_and_back_is_bitwise(tmp_path: Path) -> None:
         ({"num_experts": 4}, {}, "--num-experts 4"),
         ({"bf16": True}, {}, "--bf16"),
         ({}, {"param_state_sharding_type": "dp_reshardable"}, "'dp_reshardable'"),
+        ({}, {"param_state_sharding_type": None}, "--use-distributed-optimizer"),
     ],
-    ids=["muon", "pipeline", "experts", "bf16", "dp_reshardable"],
+    ids=["muon", "pipeline", "experts", "bf16", "dp_reshardable", "no_distributed_optimizer"],
 )
 def test_a_layout_that_cannot_map_is_refused_by_name_and_nothing_is_written(
     tmp_path: Path, overrides: dict[str, object], common: dict[str, object], named: str

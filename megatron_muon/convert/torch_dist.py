@@ -56,6 +56,11 @@ def _param_groups(common: dict[str, Any], source: str) -> list[dict[str, Any]]:
         raise ConversionRefused(f"{source}: no optimizer state (saved with --no-save-optim?)")
     sharding = optimizer.get("param_state_sharding_type")
     refuse_unless(
+        sharding is not None,
+        f"{source}: no distributed-optimizer state (a run without --use-distributed-optimizer): "
+        "only the distributed optimizer's model-space format is mapped",
+    )
+    refuse_unless(
         sharding == _MODEL_SPACE_FORMAT,
         f"{source}: distributed-optimizer state of type {sharding!r}: its flat per-bucket "
         "shards have no model-space meaning; save with --dist-ckpt-optim-fully-reshardable",
