@@ -29,6 +29,8 @@ ALLOWED: dict[str, set[str]] = {layer: set(_CORE[:index]) for index, layer in en
     "integrations": {*_CORE, "cpu_stand_ins"},
     "cli": {*_CORE, "cpu_stand_ins", "integrations"},
     "testing": {"common", "cpu_stand_ins"},
+    # python -m megatron_muon.convert: checkpoints read and written in one process.
+    "convert": {"common", "checkpointing"},
 }
 ENTRY_POINTS = {"__init__", "pretrain", "demo"}
 

@@ -10,14 +10,15 @@ checkpoint from elsewhere (shared storage, a download) could run code when loade
 listings of each save detect accidents, not an attacker, who rewrites them too.
 
 Here every such pickle is read by a restricted unpickler admitting only ``allowed_globals()``:
-what our saves and Megatron-LM's saves write (DCP's metadata classes, ``torch.Size``, dtypes,
-containers, numbers, strings, NumPy's RNG arrays, ``argparse.Namespace`` and megatron-core's
-enums of Megatron's ``args``). Any other global raises ``UnsafeCheckpointError`` naming the file
-and the global before that global is looked up.
+what our saves and Megatron-LM's ``fsdp_dtensor`` and ``torch_dist`` saves write (DCP's metadata
+and save-plan classes, ``torch.Size``, dtypes, containers, numbers, strings, NumPy's RNG arrays,
+``argparse.Namespace`` and megatron-core's enums of Megatron's ``args``). Any other global raises
+``UnsafeCheckpointError`` naming the file and the global before that global is looked up.
 
 - ``read_metadata(directory)``: ``.metadata`` by ``metadata_unpickler.MetadataUnpickler`` (builds
   only allowlisted types, sets state only on objects it created), a regular file of the
   directory, every storage reference confined (``confined_files``);
+- ``load_item(directory, key)`` / ``load_items(directory, keys)``: values DCP stored whole;
 - ``load_pickled(data, where)``: a ``torch.save`` blob, restricted (``torch.load(weights_only=
   True)`` under ``torch.serialization.safe_globals``; enums as callables returning their members,
   so no BUILD reaches a shared member); ``check_saved_file`` for a ``torch.save`` file;
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from megatron_muon.checkpointing.confined_files import (
@@ -65,6 +67,7 @@ __all__ = [
     "check_pickles",
     "check_saved_file",
     "load_item",
+    "load_items",
     "load_pickled",
     "read_metadata",
 ]
@@ -118,6 +121,13 @@ def allowed_globals() -> dict[str, Any]:
         dcp_metadata.ChunkStorageMetadata,
         dcp_metadata._MEM_FORMAT_ENCODING,
         _StorageInfo,
+        # megatron-core's torch_dist saves keep their save plans in the metadata too
+        # (``Metadata.mcore_data``): DCP's planner dataclasses and enum, no callables.
+        dcp_planner.SavePlan,
+        dcp_planner.WriteItem,
+        dcp_planner.WriteItemType,
+        dcp_planner.TensorWriteData,
+        dcp_planner.BytesIOWriteData,
     ]
     plain: list[Any] = [
         *dcp_types,
@@ -269,6 +279,28 @@ def load_item(directory: str, key: str, *, trust_pickles: bool = False) -> Any:
             file, data = _stored_bytes(directory, info)
             return load_pickled(data, f"{file} (item {key})", trust_pickles=trust_pickles)
     raise KeyError(f"{directory} stores no {key}")
+
+
+def load_items(
+    directory: str, keys: list[str], metadata: dcp_metadata.Metadata | None = None
+) -> dict[str, Any]:
+    """The values DCP stored whole under ``keys`` in checkpoint ``directory``, each read
+    restricted (``load_item`` for many keys, the metadata read once: pass it where read already).
+
+    Raises:
+        KeyError: a key is not stored whole (or stored transformed).
+        UnsafeCheckpointError: a pickle names a global outside ``allowed_globals()``.
+    """
+    metadata = metadata or read_metadata(directory)
+    wanted = set(keys)
+    found: dict[str, Any] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in wanted and not info.transform_descriptors and index.fqn not in found:
+            file, data = _stored_bytes(directory, info)
+            found[index.fqn] = load_pickled(data, f"{file} (item {index.fqn})")
+    if missing := sorted(wanted - set(found)):
+        raise KeyError(f"{directory} stores no {missing[:5]} ({len(missing)} missing)")
+    return found
 
 
 def _check_value(data: bytes, where: str) -> None:

@@ -75,6 +75,9 @@ _CURRENT_DEVICE_CPU_MODULES = [
     # LayerWiseDistributedOptimizer (Megatron's own distributed Muon, a bench peer): its
     # found-inf flag is a tensor on "cuda".
     "megatron.core.optimizer.layer_wise_optimizer",
+    # torch_dist checkpoints (Megatron's own format, without Megatron-FSDP): the save's finalize
+    # broadcasts a failure flag allocated on current_device() (state_dict_saver.py:251).
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 ]
 
 _FACTORIES = (

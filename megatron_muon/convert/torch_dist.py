@@ -1,0 +1,228 @@
+"""megatron-core's ``torch_dist`` checkpoints of a run without Megatron-FSDP, read and written in
+model space (``convert.names`` lists the keys).
+
+Read: Megatron's DDP with the distributed optimizer saved in a model-space format
+(``--dist-ckpt-optim-fully-reshardable``: each state tensor a global tensor under its param's key).
+The per-bucket formats (``dp_reshardable``, the default without that flag;
+``dp_zero_gather_scatter``) hold flat buffer shards whose meaning depends on the saving run's
+buckets: refused by name. The common state (``common_state/shard_0_1``: ``args``, ``iteration``,
+the scheduler, the param groups with Adam's ``step``) is read restricted.
+
+Written: the same layout, loadable by Megatron-LM's ``--ckpt-format torch_dist
+--use-distributed-optimizer --dist-ckpt-optim-fully-reshardable`` at any TP and DP (its load
+reshards global tensors); params go to groups by megatron-core's default weight-decay rule. Each
+layer's linear modules get the extra state the local spec saves (``None``); Transformer Engine's
+(its FP8 metadata) is written empty too: not measured with Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Any
+
+import torch
+
+from megatron_muon.convert import names
+from megatron_muon.convert.dcp_files import DcpFiles
+from megatron_muon.convert.model_space import (
+    ADAM_STATE,
+    ConversionRefused,
+    ModelSpace,
+    check_source_args,
+    refuse_unless,
+)
+
+__all__ = ["COMMON_KEY", "read_torch_dist", "torch_dist_values"]
+
+COMMON_KEY = "common_state/shard_0_1"
+_STATE_PREFIX = "optimizer.state."
+_MODEL_SPACE_FORMAT = "fully_reshardable"
+_GROUP_KEYS_NOT_META = ("params", "step")
+
+
+def _common(files: DcpFiles) -> dict[str, Any]:
+    refuse_unless(
+        COMMON_KEY in files.object_keys,
+        f"{files.directory}: no {COMMON_KEY}: not a torch_dist checkpoint of megatron-core 0.19",
+    )
+    stored = files.objects([COMMON_KEY])[COMMON_KEY]
+    return dict(stored[0] if isinstance(stored, list) else stored)
+
+
+def _param_groups(common: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    optimizer = common.get("optimizer")
+    if not isinstance(optimizer, dict):
+        raise ConversionRefused(f"{source}: no optimizer state (saved with --no-save-optim?)")
+    sharding = optimizer.get("param_state_sharding_type")
+    refuse_unless(
+        sharding is not None,
+        f"{source}: no distributed-optimizer state (a run without --use-distributed-optimizer): "
+        "only the distributed optimizer's model-space format is mapped",
+    )
+    refuse_unless(
+        sharding == _MODEL_SPACE_FORMAT,
+        f"{source}: distributed-optimizer state of type {sharding!r}: its flat per-bucket "
+        "shards have no model-space meaning; save with --dist-ckpt-optim-fully-reshardable",
+    )
+    metadata = common.get("content_metadata") or {}
+    refuse_unless(
+        not metadata.get("singleton_local_shards", False),
+        f"{source}: singleton_local_shards checkpoints (separate _w/_v keys) are not mapped",
+    )
+    return list(optimizer["optimizer"]["param_groups"])
+
+
+def _group_by_weight_decay(groups: list[dict[str, Any]], source: str) -> dict[bool, dict[str, Any]]:
+    """{no weight decay: the group}: megatron-core's default split, the only one told apart."""
+    by_rule: dict[bool, dict[str, Any]] = {}
+    for group in groups:
+        key = float(group.get("wd_mult", 1.0)) == 0.0
+        refuse_unless(
+            key not in by_rule and float(group.get("lr_mult", 1.0)) == 1.0,
+            f"{source}: param groups beyond megatron-core's default weight-decay split "
+            f"({len(groups)} groups, wd_mult/lr_mult "
+            f"{[(g.get('wd_mult'), g.get('lr_mult')) for g in groups]})",
+        )
+        by_rule[key] = group
+    return by_rule
+
+
+def _layer(tensor: torch.Tensor, layer: int | None) -> torch.Tensor:
+    """One layer's copy of a stacked tensor (``layer`` None: the tensor is no layer's)."""
+    return (tensor if layer is None else tensor[layer]).clone()
+
+
+def read_torch_dist(directory: str) -> ModelSpace:
+    """A ``torch_dist`` checkpoint (one ``iter_XXXXXXX`` directory) in model space.
+
+    Raises:
+        ConversionRefused: a layout or state without an fsdp_dtensor counterpart (named).
+    """
+    files = DcpFiles(directory)
+    common = _common(files)
+    args = common["args"]
+    check_source_args(args, directory)
+    groups = _group_by_weight_decay(_param_groups(common, directory), directory)
+    impl = str(getattr(args, "transformer_impl", "transformer_engine"))
+    model_keys = [k for k in files.tensor_keys if not k.startswith("optimizer.")]
+    tensors = files.tensors(list(files.tensor_keys))
+    space = ModelSpace(
+        params={},
+        state={},
+        steps={},
+        groups={},
+        scheduler=dict(common["opt_param_scheduler"]),
+        args=args,
+        iteration=int(common["iteration"]),
+        flops=float(common.get("num_floating_point_operations_so_far", 0)),
+        checkpoint_version=float(common.get("checkpoint_version", 3.0)),
+    )
+    for key in model_keys:
+        main = tensors.get(f"{_STATE_PREFIX}param.{key}", tensors[key])
+        layers = range(main.shape[0]) if names.is_stacked(key) else [None]
+        for layer in layers:
+            name = names.unstacked_name(key, layer, impl)
+            space.params[name] = _layer(main, layer)
+            space.state[name] = {
+                kind: _layer(tensors[f"{_STATE_PREFIX}{kind}.{key}"], layer) for kind in ADAM_STATE
+            }
+            group = groups[names.no_weight_decay(name, space.params[name].ndim)]
+            space.steps[name] = float(group["step"])
+            space.groups[name] = {k: v for k, v in group.items() if k not in _GROUP_KEYS_NOT_META}
+    space.notes.append("weights: the fp32 main params of the distributed optimizer")
+    return space
+
+
+# --------------------------------------------------------------------------------------------------
+# writing
+# --------------------------------------------------------------------------------------------------
+
+
+def _stacked(space: ModelSpace) -> dict[str, list[tuple[int | None, str]]]:
+    """torch_dist key -> [(layer, model-space name)] in layer order."""
+    keys: dict[str, list[tuple[int | None, str]]] = {}
+    for name in space.params:
+        key, layer = names.stacked_name(name, space.transformer_impl)
+        keys.setdefault(key, []).append((layer, name))
+    for key, members in keys.items():
+        layers = sorted(layer for layer, _ in members if layer is not None)
+        refuse_unless(
+            layers == list(range(len(members))) or layers == [],
+            f"{key}: layers {layers}: not every decoder layer holds it (heterogeneous layers)",
+        )
+        members.sort(key=lambda item: -1 if item[0] is None else item[0])
+    return keys
+
+
+def _join(tensors: list[torch.Tensor], stacked: bool) -> torch.Tensor:
+    return torch.stack(tensors) if stacked else tensors[0]
+
+
+def _torch_dist_args(args: argparse.Namespace) -> argparse.Namespace:
+    converted = copy.copy(args)
+    converted.ckpt_format = "torch_dist"
+    converted.use_megatron_fsdp = False
+    converted.use_distributed_optimizer = True
+    converted.dist_ckpt_optim_fully_reshardable = True
+    return converted
+
+
+def _groups_with_steps(space: ModelSpace) -> list[dict[str, Any]]:
+    """One param group per distinct group meta, each with its params' one ``step``.
+
+    Raises:
+        ConversionRefused: params of one group with different steps (torch_dist keeps one).
+    """
+    groups: list[tuple[dict[str, Any], float, str]] = []
+    for name, meta in space.groups.items():
+        for known, step, first in groups:
+            if known == meta:
+                refuse_unless(
+                    step == space.steps[name],
+                    f"{name} has step {space.steps[name]}, {first} of its group {step}: "
+                    "torch_dist keeps one step per param group",
+                )
+                break
+        else:
+            groups.append((meta, space.steps[name], name))
+    return [{**meta, "step": step} for meta, step, _ in groups]
+
+
+def torch_dist_values(space: ModelSpace) -> dict[str, Any]:
+    """The flat ``{key: value}`` of the torch_dist checkpoint of ``space``."""
+    values: dict[str, Any] = {}
+    num_layers = int(space.args.num_layers)
+    for key, members in _stacked(space).items():
+        stacked = members[0][0] is not None
+        values[key] = _join([space.params[n] for _, n in members], stacked)
+        values[f"{_STATE_PREFIX}param.{key}"] = values[key]
+        for kind in ADAM_STATE:
+            values[f"{_STATE_PREFIX}{kind}.{key}"] = _join(
+                [space.state[n][kind] for _, n in members], stacked
+            )
+        # Each layer's linear modules save an extra state (None without Transformer Engine); a
+        # ShardedObject is stored as a one-item list, as megatron-core stores it.
+        module, _, leaf = key.rpartition(".")
+        if stacked and leaf == "weight" and values[key].ndim == 3:
+            for index in range(num_layers):
+                values[f"{module}._extra_state/shard_{index}_{num_layers}"] = [None]
+    common = {
+        "args": _torch_dist_args(space.args),
+        "checkpoint_version": space.checkpoint_version,
+        "iteration": space.iteration,
+        "optimizer": {
+            "optimizer": {"param_groups": _groups_with_steps(space)},
+            "param_state_sharding_type": _MODEL_SPACE_FORMAT,
+        },
+        "opt_param_scheduler": space.scheduler,
+        "num_floating_point_operations_so_far": space.flops,
+        "content_metadata": {
+            "distrib_optim_sharding_type": _MODEL_SPACE_FORMAT,
+            "distrib_optim_fully_reshardable_mem_efficient": False,
+            "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+        },
+    }
+    values[COMMON_KEY] = [common]
+    return values
