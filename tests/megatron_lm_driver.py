@@ -36,6 +36,7 @@ OPTIMIZER_MARKER = "MEGATRON_MUON_OPTIMIZER "
 GRAD_NORMS_MARKER = "MEGATRON_MUON_GRAD_NORMS "
 NO_INSTALL_FLAG = "--no-megatron-muon-install"
 FILE_SIZE_LIMIT_VARIABLE = "MEGATRON_MUON_FILE_SIZE_LIMIT"
+NUDGE_VARIABLE = "MEGATRON_MUON_NUDGE_WEIGHTS"
 
 
 def _rows(param: Any) -> list[int]:
@@ -63,6 +64,24 @@ def _limit_file_size_from_a_save(training: Any) -> None:
     training.save_checkpoint = save_checkpoint_on_a_full_disk
 
 
+def _nudge_weights(model: list[Any]) -> None:
+    """``NUDGE_VARIABLE``: every fp32 weight one ulp up (toward +inf) after the model and optimizer
+    are set up (and a checkpoint loaded), before the first iteration: a floor run
+    (tests/run_comparison.py). A DTensor (Megatron-FSDP) is nudged in its local shard. A weight
+    of another dtype is refused (bf16 runs keep fp32 main copies this would not reach), so a floor
+    run is never silently unperturbed."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.dtype != torch.float32:
+                raise ValueError(f"{NUDGE_VARIABLE}: {name} is {local.dtype}; only fp32 is nudged")
+            with torch.no_grad():
+                local.copy_(torch.nextafter(local, torch.full_like(local, torch.inf)))
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if NO_INSTALL_FLAG in argv:
@@ -85,6 +104,8 @@ def main() -> None:
         model, optimizer, scheduler = setup_model_and_optimizer(*args, **kwargs)
         captured["optimizer"] = optimizer
         captured["model"] = model
+        if os.environ.get(NUDGE_VARIABLE) == "1":
+            _nudge_weights(model)
         grad_norms = captured.setdefault("grad_norms", [])
         step = optimizer.step
 
