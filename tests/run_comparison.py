@@ -146,6 +146,10 @@ def assert_runs_within_floor(
 ) -> tuple[FloorVerdict, FloorVerdict]:
     """``run``'s printed losses and full-precision grad norms against ``reference``'s over the
     reference's iterations, each within the floor of ``floor`` (``floor_run`` of the reference)."""
+    print(
+        f"\n{label}: launches {run.wall_s:.1f} s, reference {reference.wall_s:.1f} s, floor run "
+        f"{floor.wall_s:.1f} s"
+    )
     loss = assert_within_floor(
         f"{label} lm loss",
         losses(run, skip_losses),
@@ -163,3 +167,26 @@ def assert_runs_within_floor(
         factor=factor,
     )
     return loss, norm
+
+
+def assert_steps_within_floor(
+    label: str, steps: list[dict[str, float]], keys: tuple[str, ...] = ("loss", "grad_norm")
+) -> list[FloorVerdict]:
+    """The custom-trainer runs (``tests/gpt_parity.py``'s ``train`` stats, one dict per step):
+    each ``key`` of the sharded run against ``reference_<key>``, within the floor of
+    ``reordered_<key>`` (the same reference with its batch gradient accumulated in the sharded
+    run's order, in the same launch: no launch of its own). Both are fp32 at full precision."""
+
+    def series(prefix: str, key: str) -> dict[int, float]:
+        return {step: stats[f"{prefix}{key}"] for step, stats in enumerate(steps, start=1)}
+
+    return [
+        assert_within_floor(
+            f"{label} {key}",
+            series("", key),
+            series("reference_", key),
+            series("reordered_", key),
+            guard=FULL_PRECISION_GUARD,
+        )
+        for key in keys
+    ]
