@@ -265,11 +265,8 @@ def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: P
         nproc=2,
     )
     assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
-    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
-        assert (
-            resumed.iterations[iteration]["grad norm"]
-            == (uninterrupted.iterations[iteration]["grad norm"])
-        )
+    # The full-precision grad norms (the driver's record), bitwise.
+    assert resumed.grad_norms == uninterrupted.grad_norms[SAVE_AT:NUM_ITERS]
     # Megatron logs the first iteration after a start without resetting its loss sum, so the
     # next line prints the mean of both (in the uninterrupted run too, at iteration 2).
     first, second = SAVE_AT + 1, SAVE_AT + 2
