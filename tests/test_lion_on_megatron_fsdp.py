@@ -164,9 +164,8 @@ def test_lion_resumed_from_its_fsdp_dtensor_checkpoint_is_bit_identical(
         nproc=2,
     )
     assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
-    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
-        expected = uninterrupted.iterations[iteration]
-        assert resumed.iterations[iteration]["grad norm"] == expected["grad norm"], iteration
+    # The full-precision grad norms (the driver's record), bitwise.
+    assert resumed.grad_norms == uninterrupted.grad_norms[SAVE_AT:NUM_ITERS]
     # The first line after a start prints its own loss; the next the mean of two (loop_tests).
     first = SAVE_AT + 1
     assert resumed.iterations[first]["lm loss"] == uninterrupted.iterations[first]["lm loss"]
