@@ -145,13 +145,30 @@ def assert_within_floor(
     return verdict
 
 
-def assert_runs_within_floor(
+def _assert_losses_and_norms(
     label: str,
-    run: MegatronRun,
-    reference: MegatronRun,
+    values: tuple[Series, Series],
+    expected: tuple[Series, Series],
     floor: MegatronRun,
-    *,
-    factor: float = FLOOR_FACTOR,
+    floor_reference: MegatronRun,
+) -> tuple[FloorVerdict, FloorVerdict]:
+    """(printed losses, full-precision grad norms) against ``expected``'s, each within the floor
+    of ``floor`` against ``floor_reference``."""
+    floors = (
+        (losses(floor), losses(floor_reference), PRINTED_GUARD),
+        (grad_norms(floor), grad_norms(floor_reference), FULL_PRECISION_GUARD),
+    )
+    loss, norm = (
+        assert_within_floor(f"{label} {what}", got, want, floor_of, floor_reference=of, guard=guard)
+        for what, got, want, (floor_of, of, guard) in zip(
+            ("lm loss", "grad norm"), values, expected, floors, strict=True
+        )
+    )
+    return loss, norm
+
+
+def assert_runs_within_floor(
+    label: str, run: MegatronRun, reference: MegatronRun, floor: MegatronRun
 ) -> tuple[FloorVerdict, FloorVerdict]:
     """``run``'s printed losses and full-precision grad norms against ``reference``'s over the
     reference's iterations, each within the floor of ``floor`` (``floor_run`` of the reference)."""
@@ -159,23 +176,10 @@ def assert_runs_within_floor(
         f"\n{label}: launches {run.wall_s:.1f} s, reference {reference.wall_s:.1f} s, floor run "
         f"{floor.wall_s:.1f} s"
     )
-    loss = assert_within_floor(
-        f"{label} lm loss",
-        losses(run),
-        losses(reference),
-        losses(floor),
-        guard=PRINTED_GUARD,
-        factor=factor,
+    values = (losses(run), grad_norms(run))
+    return _assert_losses_and_norms(
+        label, values, (losses(reference), grad_norms(reference)), floor, reference
     )
-    norm = assert_within_floor(
-        f"{label} grad norm",
-        grad_norms(run),
-        grad_norms(reference),
-        grad_norms(floor),
-        guard=FULL_PRECISION_GUARD,
-        factor=factor,
-    )
-    return loss, norm
 
 
 def assert_steps_within_floor(
@@ -227,20 +231,5 @@ def assert_resumed_within_floor(
     the floor of ``floor`` against ``floor_reference`` (a run of ``resumed``'s kind, or from the
     same checkpoint, and its ``floor_run``) over the iterations up to each."""
     norms, expected = resumed_expectations(resumed, uninterrupted)
-    norm = assert_within_floor(
-        f"{label} grad norm",
-        grad_norms(resumed),
-        norms,
-        grad_norms(floor),
-        floor_reference=grad_norms(floor_reference),
-        guard=FULL_PRECISION_GUARD,
-    )
-    loss = assert_within_floor(
-        f"{label} lm loss",
-        losses(resumed),
-        expected,
-        losses(floor),
-        floor_reference=losses(floor_reference),
-        guard=PRINTED_GUARD,
-    )
-    return loss, norm
+    values = (losses(resumed), grad_norms(resumed))
+    return _assert_losses_and_norms(label, values, (expected, norms), floor, floor_reference)
