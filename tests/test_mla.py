@@ -1,7 +1,9 @@
 """Multi-Latent Attention on CPU ranks: the local spec builds (RoPE stand-in, the local core
 attention's ``k_channels`` / ``v_channels`` patch), trains under Megatron-FSDP with
 ``build_muon_optimizer`` exactly as the unsharded reference does (MuonClip on MLA:
-``tests/test_mla_qk_clip.py``, ``tests/test_factory_qk_clip.py``).
+``tests/test_mla_qk_clip.py``, ``tests/test_factory_qk_clip.py``): params within
+``gpt_parity.FLOOR_FACTOR`` of the reordered reference's floor, losses **floor-judged** against it
+(tests/run_comparison.py).
 """
 
 from __future__ import annotations
