@@ -55,3 +55,15 @@ def muon_dp1():
     return run_megatron(
         [*MUON_FLAGS, "--data-parallel-sharding-strategy", "optim_grads_params"], nproc=1
     )
+
+
+@pytest.fixture(scope="session")
+def muon_dp1_floor():
+    """``muon_dp1`` again with every weight one ulp up: the floor of the comparisons against it
+    (tests/run_comparison.py). One launch for the whole session."""
+    from tests.run_comparison import floor_run
+    from tests.torchrun import MUON_FLAGS
+
+    return floor_run(
+        [*MUON_FLAGS, "--data-parallel-sharding-strategy", "optim_grads_params"], nproc=1
+    )

@@ -7,11 +7,11 @@ unsharded reference (``train_runs``, ``assert_matches_reference``).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests import gpt_parity
 from tests.gpt_parity import SEQ, Run
+from tests.run_comparison import assert_steps_within_floor
 
 RUN = Run(wrapper="mcore", strategy="optim_grads_params")
 NUM_STEPS = 3
@@ -82,11 +82,11 @@ def assert_matches_reference(per_rank: list[dict]) -> float:
     errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
-    for result in per_rank:
+    for rank, result in enumerate(per_rank):
+        # Floor-judged (tests/run_comparison.py). The grad norm is global over FSDP shards (stock
+        # ChainedOptimizer: local shards only).
+        assert_steps_within_floor(f"rank {rank}", result["stats"])
         for step, stats in enumerate(result["stats"]):
-            # The grad norm is global over FSDP shards (stock ChainedOptimizer: local shards only).
-            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
-            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
             # Only key-bias grads (mathematically zero, ~1e-12 in fp32: 2 x 64) may differ.
             assert abs(stats["num_zeros"] - stats["reference_num_zeros"]) <= 128, step
     return errors[worst]

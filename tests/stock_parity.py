@@ -1,6 +1,6 @@
 """Ours against megatron-core's own optimizer in Megatron-LM's loop, one rank on one device.
 
-The comparison of tests/test_megatron_lm_stock_parity.py: for each optimizer (``CASES``), four
+The comparison of tests/test_megatron_lm_stock_parity.py: for each optimizer (``CASES``), five
 launches of ``tests/megatron_lm_driver.py`` (``tests.torchrun.run_megatron``), one rank each:
 
 - ours: ``install()``, ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` (optim_grads_params);
@@ -9,8 +9,9 @@ launches of ``tests/megatron_lm_driver.py`` (``tests.torchrun.run_megatron``), o
   after it, ``integrations.stock_lion`` and ``integrations.adaptive_muon_fix``);
 
 each in fp32 params with fp32 Newton-Schulz and in bf16 params with Megatron's default NS
-precision. Like-for-like flags (what differs otherwise is the frameworks' choice, not the
-optimizer's math):
+precision; in fp32 a fifth, the floor: stock again with every weight one ulp up
+(``tests.run_comparison.floor_run``). Like-for-like flags (what differs otherwise is the
+frameworks' choice, not the optimizer's math):
 
 - ``--position-embedding-type rope``: a learned absolute position embedding goes to AdamW in ours
   and to the matrix optimizer in megatron-core;
@@ -27,8 +28,9 @@ optimizer's math):
 
 Figures (``Comparison``): the largest relative difference, over the iterations, of the loss (the
 loop's log line, 7 significant digits) and of the grad norm (the driver's full-precision record),
-of ours against stock in each precision, and the bf16 floor: stock bf16 against stock fp32, what
-bf16 alone changes in megatron-core's own run.
+of ours against stock in each precision; the fp32 floor (the nudged stock run against stock:
+what a last-bit perturbation grows to in megatron-core's own run on this machine) and the bf16
+floor: stock bf16 against stock fp32, what bf16 alone changes in megatron-core's own run.
 
 ``python -m tests.stock_parity --device cpu [CASE ...]`` runs the same comparison by hand and
 prints the table (on 2 CPU cores about 20 s a launch).
@@ -44,11 +46,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tests.megatron_lm_logs import max_relative_difference
+from tests.run_comparison import floor_run
 from tests.torchrun import MegatronRun, run_megatron
 
 DeviceT = Literal["cpu", "cuda"]
 PrecisionT = Literal["fp32", "bf16"]
-SideT = Literal["ours", "stock"]
+SideT = Literal["ours", "stock", "floor"]
 
 NUM_ITERS = 12
 # Each case's optimizer flags. adaptive_muon's adamuon steps sign-like (about 1 per element before
@@ -89,14 +92,14 @@ LaunchKey = tuple[str, PrecisionT, SideT]
 
 
 def launch(case: str, precision: PrecisionT, side: SideT, device: DeviceT) -> MegatronRun:
-    """One rank of Megatron-LM's loop: ``case``'s optimizer, ours or stock, on ``device``."""
+    """One rank of Megatron-LM's loop: ``case``'s optimizer, ours, stock or the floor (stock with
+    every weight one ulp up; fp32 only), on ``device``."""
     flags = [*CASES[case], *COMMON_FLAGS, *PRECISION_FLAGS[precision], *DEVICE_FLAGS[device]]
     env = {"NVIDIA_TF32_OVERRIDE": "0"} if precision == "fp32" and device == "cuda" else {}
     if side == "ours":
         flags += OURS_FLAGS
-    return run_megatron(
-        flags, nproc=1, megatron_fsdp=side == "ours", env=env, timeout=LAUNCH_TIMEOUT_S
-    )
+    launcher = floor_run if side == "floor" else run_megatron
+    return launcher(flags, nproc=1, megatron_fsdp=side == "ours", env=env, timeout=LAUNCH_TIMEOUT_S)
 
 
 def launch_all(
@@ -133,7 +136,7 @@ class Difference:
 
 @dataclass(frozen=True)
 class Comparison:
-    """One case's four launches and their differences (module docstring)."""
+    """One case's launches and their differences (module docstring)."""
 
     case: str
     runs: dict[tuple[PrecisionT, SideT], MegatronRun]
@@ -141,6 +144,12 @@ class Comparison:
     def difference(self, precision: PrecisionT) -> Difference:
         """Ours against stock in ``precision``."""
         return Difference.of(self.runs[precision, "ours"], self.runs[precision, "stock"])
+
+    @property
+    def fp32_floor(self) -> Difference:
+        """Stock with every weight one ulp up against stock, fp32: the floor of ours' fp32
+        difference (tests/run_comparison.py)."""
+        return Difference.of(self.runs["fp32", "floor"], self.runs["fp32", "stock"])
 
     @property
     def bf16_floor(self) -> Difference:
@@ -157,6 +166,8 @@ class Comparison:
             floor = "-"
             if precision == "bf16" and ("fp32", "stock") in self.runs:
                 floor = f"{self.bf16_floor.loss:.2e} / {self.bf16_floor.grad_norm:.2e}"
+            elif precision == "fp32":
+                floor = f"{self.fp32_floor.loss:.2e} / {self.fp32_floor.grad_norm:.2e}"
             rows.append(
                 f"| {self.case} | {precision} | {diff.loss:.2e} | {diff.grad_norm:.2e} | {floor} |"
             )
@@ -165,7 +176,7 @@ class Comparison:
 
 TABLE_HEADER = [
     "| optimizer | precision | loss: max rel. diff. | grad norm: max rel. diff. | "
-    "bf16 floor (loss / grad norm) |",
+    "floor (loss / grad norm) |",
     "|---|---|---|---|---|",
 ]
 
@@ -176,12 +187,13 @@ def compare(
     precisions: tuple[PrecisionT, ...] = ("fp32", "bf16"),
     workers: int | None = None,
 ) -> dict[str, Comparison]:
-    """Each case's launches in ``precisions``, ours and stock, side by side; {case: Comparison}."""
+    """Each case's launches in ``precisions``, ours and stock (and the floor in fp32), side by
+    side; {case: Comparison}."""
     keys: list[LaunchKey] = [
         (case, precision, side)
         for case in cases
         for precision in precisions
-        for side in ("ours", "stock")
+        for side in (("ours", "stock", "floor") if precision == "fp32" else ("ours", "stock"))
     ]
     runs = launch_all(keys, device, workers or default_workers(device))
     return {
@@ -206,7 +218,7 @@ def main() -> None:
     start = time.monotonic()
     comparisons = compare(args.cases or list(CASES), args.device, workers=args.workers)
     print(table(comparisons))
-    print(f"{4 * len(comparisons)} launches in {time.monotonic() - start:.0f} s")
+    print(f"{5 * len(comparisons)} launches in {time.monotonic() - start:.0f} s")
 
 
 if __name__ == "__main__":

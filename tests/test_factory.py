@@ -6,7 +6,12 @@ to a single-process fp32 reference (TensorParallelMuon + AdamW on full tensors, 
 same data; ``tests/gpt_parity.py``). Clipping is active at every step (clip_grad 0.3 < grad norm),
 so the global grad norm over FSDP shards is checked too. Params are compared by whole-param
 relative error (Frobenius), ``fp32_matmul_prec="highest"``, within twice the largest deviation that
-fp32 reduction order alone causes between two runs of the reference (``gpt_parity.FLOOR_FACTOR``).
+fp32 reduction order alone causes between two runs of the reference (``gpt_parity.FLOOR_FACTOR``);
+losses and grad norms **floor-judged** against the same two runs' (``tests/run_comparison.py``'s
+``assert_steps_within_floor``: within ``FLOOR_FACTOR`` times the reordered reference's difference
+from the reference up to each step, plus 4 fp32 ulps). The toy without parallel state (one MSE
+step, fp32 "highest", 2-rank reduction order) is a single-step reference comparison:
+``TOLERANCE``, as the one-step rule of docs/exactness.md.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tests import gpt_parity
 from tests.factory_gpt_runs import assert_matches_reference, by_run, train_runs
 from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import Run
+from tests.run_comparison import assert_steps_within_floor
 
 # Params: within gpt_parity.FLOOR_FACTOR of the reduction-order floor measured in the same launch
 # (the MoE router's own floor is the largest: Newton-Schulz amplifies its small singular values).
@@ -297,10 +303,11 @@ def test_hsdp_outer_no_shard_matches_reference_with_muon_over_the_whole_dp_group
     errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\n{per_rank[0]['summary']}\nlargest deviation: {worst} {errors[worst]:.2e}")
-    for result in per_rank:
-        (stats,) = result["stats"]
-        # Replicated shards (outer no_shard) are counted once in the global grad norm.
-        assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5)
+    for rank, result in enumerate(per_rank):
+        assert len(result["stats"]) == 1
+        # Replicated shards (outer no_shard) are counted once in the global grad norm;
+        # floor-judged (tests/run_comparison.py).
+        assert_steps_within_floor(f"{wrapper} rank {rank}", result["stats"], ("grad_norm",))
     assert per_rank[0]["summary"][0] == (
         "megatron-muon Muon[dense]: 8 params, 98,304 elements over dp_cp (4 ranks), strategy "
         "HSDP(outer no_shard, inner optim_grads_params), mode owner, tp_mode blockwise"

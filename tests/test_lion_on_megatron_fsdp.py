@@ -9,21 +9,24 @@ are, and AdamW for the rest; a rank holding no rows of a param keeps its state a
 Checked here:
 
 - Megatron-LM's loop with ``install()``, ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, every
-  sharding strategy at DP=2: 6 iterations' losses and grad norms equal **one rank running
-  megatron-core's own Lion without Megatron-FSDP** (its DDP, same flags; RoPE, so that no learned
-  position embedding is routed differently: megatron-muon gives it to AdamW, megatron-core to
-  the matrix optimizer, as for Muon) to the printed digits
-  (``RELATIVE_TOLERANCE``); the optim_grads_params run saves at 4, and a run resumed from it in
-  fresh processes prints the same losses and grad norms and saves the same tensors, bitwise; the
-  same checkpoint loaded with ``--optimizer soap`` is refused on every rank naming both
-  optimizers, before any collective.
+  sharding strategy at DP=2 against **one rank running megatron-core's own Lion without
+  Megatron-FSDP** (its DDP, same flags; RoPE, so that no learned position embedding is routed
+  differently: megatron-muon gives it to AdamW, megatron-core to the matrix optimizer, as for
+  Muon), **floor-judged** (tests/run_comparison.py: the gradients are reduced in another order,
+  which Lion's sign step may amplify): 6 iterations' printed losses and full-precision grad
+  norms, each within ``FLOOR_FACTOR`` times what the stock run with every weight one ulp up
+  (one more launch) grew to by then; the optim_grads_params run saves at 4, and a run resumed
+  from it in fresh processes prints the same losses and grad norms and saves the same tensors,
+  bitwise; the same checkpoint loaded with ``--optimizer soap`` is refused on every rank naming
+  both optimizers, before any collective.
   Stock megatron-core 0.19.2 builds ``--optimizer lion`` with Adam's betas; ``install()`` makes it
   read ``--lion-beta1/2`` (``integrations.stock_lion``), so both sides use Lion's betas.
 - A custom trainer: the factory builds Lion from ``OptimizerConfig(optimizer="lion")`` for the
   tiny GPTModel under megatron-core's ``FullyShardedDataParallel``, every strategy, DP=2: params
   after 5 steps within ``gpt_parity.FLOOR_FACTOR`` of the reduction-order floor of the unsharded
   emerging-optimizers ``Lion`` + torch ``AdamW`` (measured in the same launch), losses and grad
-  norms to 1e-5; some Lion params have no rows on one rank (empty shards).
+  norms floor-judged against the same reference's (tests/run_comparison.py); some Lion params
+  have no rows on one rank (empty shards).
   The same for the MoE GPT (4 experts, their rows over ``expt_dp``; one Lion steps dense and
   expert shards alike), under optim_grads_params, in the same launch.
 """
@@ -42,7 +45,12 @@ from megatron_muon.testing import run_on_ranks
 from tests import gpt_parity
 from tests.fsdp_models import STRATEGIES
 from tests.gpt_parity import Run
-from tests.megatron_lm_logs import assert_loss_falls, assert_same_losses
+from tests.megatron_lm_logs import assert_loss_falls
+from tests.run_comparison import (
+    assert_runs_within_floor,
+    assert_steps_within_floor,
+    floor_run,
+)
 from tests.torchrun import MegatronRun, TorchrunFailure, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -77,6 +85,12 @@ def stock_lion() -> MegatronRun:
     return run_megatron(LION_FLAGS, nproc=1, megatron_fsdp=False)
 
 
+@pytest.fixture(scope="module")
+def stock_lion_floor() -> MegatronRun:
+    """``stock_lion`` with every weight one ulp up: its floor (tests/run_comparison.py)."""
+    return floor_run(LION_FLAGS, nproc=1, megatron_fsdp=False)
+
+
 _DP2_RUNS: dict[str, MegatronRun] = {}
 
 
@@ -93,8 +107,9 @@ def lion_dp2(strategy: str, checkpoint_root: Path) -> MegatronRun:
 @pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_lion_in_megatron_lms_loop_equals_stock_lion_on_one_rank_for_each_strategy(
-    strategy: str, stock_lion: MegatronRun, checkpoint_root: Path
+    strategy: str, stock_lion: MegatronRun, stock_lion_floor: MegatronRun, checkpoint_root: Path
 ) -> None:
+    """Floor-judged (module docstring)."""
     run = lion_dp2(strategy, checkpoint_root)
     assert run.optimizers[0]["class"] == "MegatronCheckpointedOptimizer"
     summary = run.optimizers[0]["summary"]
@@ -103,8 +118,8 @@ def test_lion_in_megatron_lms_loop_equals_stock_lion_on_one_rank_for_each_strate
     losses = run.series("lm loss")
     print(f"\n{strategy} DP=2 lm loss: {losses}\n stock DP=1 lm loss: {stock_lion.series()}")
     assert_loss_falls(losses)
-    assert_same_losses(losses, stock_lion.series("lm loss"))
-    assert_same_losses(run.series("grad norm"), stock_lion.series("grad norm"))
+    label = f"lion {strategy} DP=2 vs stock DP=1"
+    assert_runs_within_floor(label, run, stock_lion, stock_lion_floor)
 
 
 def _load_checkpoint(directory: Path) -> dict[str, Any]:
@@ -149,9 +164,8 @@ def test_lion_resumed_from_its_fsdp_dtensor_checkpoint_is_bit_identical(
         nproc=2,
     )
     assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
-    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
-        expected = uninterrupted.iterations[iteration]
-        assert resumed.iterations[iteration]["grad norm"] == expected["grad norm"], iteration
+    # The full-precision grad norms (the driver's record), bitwise.
+    assert resumed.grad_norms == uninterrupted.grad_norms[SAVE_AT:NUM_ITERS]
     # The first line after a start prints its own loss; the next the mean of two (loop_tests).
     first = SAVE_AT + 1
     assert resumed.iterations[first]["lm loss"] == uninterrupted.iterations[first]["lm loss"]
@@ -309,10 +323,8 @@ def test_factory_lion_on_fully_sharded_data_parallel_matches_unsharded_lion(
     errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\n{strategy}: largest deviation {worst} {errors[worst]:.2e}")
-    for result in per_rank:
-        for step, stats in enumerate(result["stats"]):
-            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
-            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
+    for rank, result in enumerate(per_rank):
+        assert_steps_within_floor(f"{strategy} rank {rank}", result["stats"])
     if strategy != "no_shard":  # a Lion matrix with no rows on one rank: Lion on an empty shard
         lion = [
             gpt_parity._strip(n)
@@ -340,7 +352,5 @@ def test_factory_lion_on_an_moe_gpt_matches_unsharded_lion(
     errors = gpt_parity.assert_within_floor(per_rank, per_rank[0]["floor"])
     worst = max(errors, key=errors.get)
     print(f"\nMoE optim_grads_params: largest deviation {worst} {errors[worst]:.2e}")
-    for result in per_rank:
-        for step, stats in enumerate(result["stats"]):
-            assert stats["grad_norm"] == pytest.approx(stats["reference_grad_norm"], rel=1e-5), step
-            assert stats["loss"] == pytest.approx(stats["reference_loss"], rel=1e-5), step
+    for rank, result in enumerate(per_rank):
+        assert_steps_within_floor(f"MoE rank {rank}", result["stats"])

@@ -7,19 +7,23 @@ emerging-optimizers' ``AdaptiveMuon`` for every second-moment method; ``validate
 
 Launched, for each second-moment method (adamuon, normuon, namo) under each sharding strategy
 (no_shard, optim, optim_grads, optim_grads_params): the reference is the fixed stock class on one
-rank without Megatron-FSDP (one launch per method); ours is ``ShardedAdaptiveMuon`` under
-``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2 (one launch per method and strategy).
-8 iterations' losses agree to the printed digits (``RELATIVE_TOLERANCE``; Newton-Schulz in fp32,
-``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says why), their full-precision
-grad norms to ``ADAPTIVE_MUON_GRAD_NORM_TOLERANCE`` (tests/megatron_lm_logs.py says why; the
-log's 4 printed digits flip on a 1e-7 difference, as on an AVX2-only AMD Zen 3 host).
+rank without Megatron-FSDP (one launch per method), and its floor run, the same with every weight
+one ulp up (``tests.run_comparison.floor_run``, one launch per method); ours is
+``ShardedAdaptiveMuon`` under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` at DP=2 (one
+launch per method and strategy). **Floor-judged** (tests/run_comparison.py): fp32 on both sides
+(Newton-Schulz in fp32, ``--muon-fp32-matmul-prec high``: tests/test_megatron_lm_loop.py says
+why), the gradients reduced in another order, which the second moment amplifies by an amount that
+depends on the CPU's kernels (adamuon's sign-like step where an element near zero flips sign,
+normuon's per-row mean); 8 iterations' printed losses and full-precision grad norms (the log's 4
+printed grad-norm digits flip on a 1e-7 difference), each within ``FLOOR_FACTOR`` times what the
+floor run grew to against the reference by then.
 The GPT uses rotary position embeddings: stock megatron-core routes a learned position embedding
 to the matrix optimizer (it carries no embedding tag) where ours routes it to AdamW
 (``fsdp.routing``). The normuon optim_grads_params run saves at 4 and 8; a run resumed from 4 in
 fresh processes prints the same losses and saves bitwise the same state (second moments included)
-at 8. Launches: 3 one-rank references, 12 DP=2 runs, 1 resume. A DP=2 checkpoint loading at DP=1
-and DP=3 is checked in tests/test_adaptive_muon_checkpoint.py (every method, a toy) and
-tests/test_megatron_lm_emerging_tensor_parallel.py (adamuon, this loop).
+at 8. Launches: 3 one-rank references, 3 one-rank floors, 12 DP=2 runs, 1 resume. A DP=2
+checkpoint loading at DP=1 and DP=3 is checked in tests/test_adaptive_muon_checkpoint.py (every
+method, a toy) and tests/test_megatron_lm_emerging_tensor_parallel.py (adamuon, this loop).
 
 Learning rates (``LR``): 0.02 for normuon and namo, whose second moment is a per-row (or column)
 mean and a Frobenius-norm ratio. adamuon's is elementwise: its first update is about
@@ -41,14 +45,9 @@ import pytest
 import torch
 
 from tests.fsdp_models import STRATEGIES
-from tests.megatron_lm_logs import (
-    ADAPTIVE_MUON_GRAD_NORM_TOLERANCE,
-    assert_loss_falls,
-    assert_resumed_bitwise,
-    assert_same_losses,
-    max_relative_difference,
-)
+from tests.megatron_lm_logs import assert_loss_falls, assert_resumed_bitwise
 from tests.muon_reference import full_tensor
+from tests.run_comparison import assert_runs_within_floor, floor_run
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -72,6 +71,7 @@ def flags(method: str) -> list[str]:
 
 
 _STOCK_RUNS: dict[str, MegatronRun] = {}
+_FLOOR_RUNS: dict[str, MegatronRun] = {}
 _DP2_RUNS: dict[tuple[str, str], MegatronRun] = {}
 
 
@@ -80,6 +80,13 @@ def stock_run(method: str) -> MegatronRun:
     if method not in _STOCK_RUNS:
         _STOCK_RUNS[method] = run_megatron(flags(method), nproc=1, megatron_fsdp=False)
     return _STOCK_RUNS[method]
+
+
+def stock_floor_run(method: str) -> MegatronRun:
+    """``stock_run(method)`` with every weight one ulp up: its floor (tests/run_comparison.py)."""
+    if method not in _FLOOR_RUNS:
+        _FLOOR_RUNS[method] = floor_run(flags(method), nproc=1, megatron_fsdp=False)
+    return _FLOOR_RUNS[method]
 
 
 def fsdp_run(method: str, strategy: str, checkpoint_root: Path) -> MegatronRun:
@@ -191,6 +198,7 @@ def test_validate_args_accepts_adaptive_muon_with_megatron_fsdp_and_its_flags(
 def test_adaptive_muon_on_megatron_fsdp_equals_the_stock_optimizer_on_one_rank(
     method: str, strategy: str, checkpoint_root: Path
 ) -> None:
+    """Floor-judged (module docstring)."""
     reference, run = stock_run(method), fsdp_run(method, strategy, checkpoint_root)
     losses = run.series("lm loss")
     print(
@@ -203,12 +211,8 @@ def test_adaptive_muon_on_megatron_fsdp_equals_the_stock_optimizer_on_one_rank(
         matrix = [line for line in described["summary"] if f"AdaptiveMuon({method})[dense]" in line]
         assert len(matrix) == 1 and f"strategy {strategy}," in matrix[0], described["summary"]
     assert_loss_falls(losses)
-    assert_same_losses(losses, reference.series("lm loss"))
-    # The full-precision grad norms (the log prints 4 digits, where a 1e-7 difference can flip
-    # the last one).
-    difference = max_relative_difference(run.grad_norms, reference.grad_norms)
-    print(f"{method} {strategy}: grad norms' largest relative difference {difference:.1e}")
-    assert difference <= ADAPTIVE_MUON_GRAD_NORM_TOLERANCE, (run.grad_norms, reference.grad_norms)
+    label = f"{method} {strategy} DP=2 vs stock DP=1"
+    assert_runs_within_floor(label, run, reference, stock_floor_run(method))
 
 
 @pytest.mark.multirank

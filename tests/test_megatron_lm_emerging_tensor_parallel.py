@@ -8,9 +8,15 @@ MoE GPT: 4 experts, all-to-all dispatcher, RoPE):
 - ``stock``: 4 ranks, the same TP / EP layout, **megatron-core's own optimizer without
   Megatron-FSDP** (its DDP; for adaptive_muon the stock class with its crash fixed,
   ``integrations.adaptive_muon_fix``): the reference;
+- ``floor``: ``stock`` again with every weight one ulp up (``tests.run_comparison.floor_run``);
 - ``ours``: 4 ranks under ``--use-megatron-fsdp --ckpt-format fsdp_dtensor`` (optim_grads_params),
-  saving at ``SAVE_AT``. Its 8 iterations' losses and grad norms equal ``stock``'s to the printed
-  digits (``RELATIVE_TOLERANCE``: reduction order only);
+  saving at ``SAVE_AT``. **Floor-judged** (tests/run_comparison.py): its 8 iterations' printed
+  losses and full-precision grad norms differ from ``stock``'s by reduction order only, which
+  adamuon's and Lion's sign-like steps amplify by an amount that depends on the CPU's kernels
+  (on an Intel Xeon with AVX-512 adamuon's iteration-8 loss was 1.3e-4 from stock's, its grad
+  norm 1e-3; on an AVX2-only AMD Zen 3 2.5e-6 and 4.5e-5 against a floor of 5.7e-4 and 5.0e-3:
+  the MoE router turns an ulp into other routings); each iteration within ``FLOOR_FACTOR`` times
+  what ``floor`` grew to against ``stock`` by then;
 - ``dp1`` / ``dp3``: 1 and 3 ranks (TP = EP = 1; at DP = 3 the 4 experts' rows and some dense
   rows are uneven, some ranks' shards empty) load that checkpoint and save it again at the same
   iteration (Megatron's end-of-run save: ``SAVE_AT`` is not a multiple of ``--save-interval``
@@ -47,10 +53,10 @@ import pytest
 
 from tests.megatron_lm_logs import (
     assert_resaved_bitwise,
-    assert_same_losses,
     load_fsdp_dtensor_checkpoint,
     resave_at_dp,
 )
+from tests.run_comparison import assert_runs_within_floor, floor_run
 from tests.torchrun import run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
@@ -92,8 +98,9 @@ class Runs:
         self.saved = root / "dp2" / f"iter_{SAVE_AT:07d}"
         save = ["--save", str(root / "dp2"), "--save-interval", str(SAVE_AT)]
         strategy = ["--data-parallel-sharding-strategy", "optim_grads_params"]
-        self.stock = run_megatron(
-            [*flags, *TP2_EP2], nproc=4, megatron_fsdp=False, timeout=300, env=_TP_ENV
+        self.stock, self.floor = (
+            launch([*flags, *TP2_EP2], nproc=4, megatron_fsdp=False, timeout=300, env=_TP_ENV)
+            for launch in (run_megatron, floor_run)
         )
         self.ours = run_megatron([*flags, *TP2_EP2, *strategy, *save], nproc=4, timeout=300)
         self.resaved: dict[int, Path] = {}
@@ -135,8 +142,7 @@ def test_tp2_ep2_on_megatron_fsdp_equals_the_stock_optimizer_at_the_same_layout(
         assert f"AdaptiveMuon({method})[dense]" in summary, summary
         assert "over dp_cp (2 ranks) x tp (2 ranks)" in summary, summary
         assert "over expt_dp (1 rank) x expt_tp (2 ranks)" in summary, summary
-    assert_same_losses(run.series("lm loss"), reference.series("lm loss"))
-    assert_same_losses(run.series("grad norm"), reference.series("grad norm"))
+    assert_runs_within_floor(f"{optimizer} TP=2 EP=2 ours vs stock", run, reference, runs.floor)
 
 
 @pytest.mark.parametrize("optimizer", RESHARDED)

@@ -10,7 +10,12 @@ optim_grads_params run also writes the checkpoints the resume test starts from.
 Numerics: Muon runs with ``--muon-fp32-matmul-prec high``. Under the default "medium",
 Newton-Schulz matmuls run in bf16 on CPU, and the summation-order differences of a DP=2 gradient
 reduction (~1e-7 relative) flip bf16 roundings: DP=2 and DP=1 losses then drift apart by ~1e-4
-within 5 steps. In fp32 they agree to every printed digit.
+within 5 steps. In fp32 they agree to every printed digit on the CPUs seen so far; the verdict is
+**floor-judged** all the same (tests/run_comparison.py): DP=2 and DP=1 reduce the gradients in
+another order, so each iteration's printed loss and full-precision grad norm is within
+``FLOOR_FACTOR`` times what ``muon_dp1`` with every weight one ulp up (``muon_dp1_floor``, one
+launch a session) grew to by then. Measured on an AVX2-only AMD Zen 3: grad norms at most 6.3e-7
+apart, the floor 2.8e-7 at that iteration.
 """
 
 from __future__ import annotations
@@ -24,12 +29,8 @@ import pytest
 import torch
 
 from tests.fsdp_models import STRATEGIES
-from tests.megatron_lm_logs import (
-    assert_loss_falls,
-    assert_same_losses,
-    load_fsdp_dtensor_checkpoint,
-    printed_lines,
-)
+from tests.megatron_lm_logs import assert_loss_falls, load_fsdp_dtensor_checkpoint, printed_lines
+from tests.run_comparison import assert_runs_within_floor
 from tests.torchrun import MUON_FLAGS, NUM_ITERS, MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -212,8 +213,9 @@ def test_loss_check_rejects_a_flat_no_shard_run() -> None:
 @pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
-    strategy: str, muon_dp1: MegatronRun, checkpoint_root: Path
+    strategy: str, muon_dp1: MegatronRun, muon_dp1_floor: MegatronRun, checkpoint_root: Path
 ) -> None:
+    """Floor-judged (module docstring)."""
     run = muon_dp2(strategy, checkpoint_root)
     losses = run.series("lm loss")
     print(
@@ -227,8 +229,7 @@ def test_muon_loss_falls_and_equals_dp1_for_each_strategy(
         mode = FSDP_MODE.get(strategy, "owner")
         assert any(f"mode {mode}" in line for line in described["summary"]), described
     assert_loss_falls(losses)
-    assert_same_losses(losses, muon_dp1.series("lm loss"))
-    assert_same_losses(run.series("grad norm"), muon_dp1.series("grad norm"))
+    assert_runs_within_floor(f"muon {strategy} DP=2 vs DP=1", run, muon_dp1, muon_dp1_floor)
     # The learned absolute position embedding (Megatron's default --position-embedding-type):
     # megatron-core's own Muon takes it, ours gives it to AdamW, and says so once, on rank 0.
     routing_lines = printed_lines(run, 0, "megatron-muon routing:")
@@ -268,11 +269,8 @@ def test_resume_from_fsdp_dtensor_checkpoint_is_bit_identical(checkpoint_root: P
         nproc=2,
     )
     assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
-    for iteration in range(SAVE_AT + 1, NUM_ITERS + 1):
-        assert (
-            resumed.iterations[iteration]["grad norm"]
-            == (uninterrupted.iterations[iteration]["grad norm"])
-        )
+    # The full-precision grad norms (the driver's record), bitwise.
+    assert resumed.grad_norms == uninterrupted.grad_norms[SAVE_AT:NUM_ITERS]
     # Megatron logs the first iteration after a start without resetting its loss sum, so the
     # next line prints the mean of both (in the uninterrupted run too, at iteration 2).
     first, second = SAVE_AT + 1, SAVE_AT + 2

@@ -30,24 +30,25 @@ The references, and why they are right:
   of a fresh start shows it the same way with Adam and Muon: 1.462 on 2 ranks, 1.555 on 4.
 
 Noise: with ``--muon-fp32-matmul-prec high`` the runs above differed by at most 1 in the 7th
-significant digit of the loss (relative 2.7e-7) and not at all in the printed grad norms; the
-tolerance is ``RELATIVE_TOLERANCE`` (1e-5).
+significant digit of the loss (relative 2.7e-7) and not at all in the printed grad norms. Each
+comparison is **floor-judged** (tests/run_comparison.py: another reduction order): every
+iteration's printed loss and full-precision grad norm within ``FLOOR_FACTOR`` times what the
+reference run with every weight one ulp up grew to by then: HSDP against ``muon_dp1_floor`` (one
+launch a session, shared with tests/test_megatron_lm_loop.py), EP against the one-rank run from
+the EP=2 checkpoint again, nudged after the load (one more one-rank launch for each model).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from megatron_muon.testing import run_on_ranks
-from tests.megatron_lm_logs import (
-    RELATIVE_TOLERANCE,
-    assert_loss_falls,
-    assert_same_losses,
-    printed_lines,
-)
+from tests.megatron_lm_logs import assert_loss_falls, printed_lines
+from tests.run_comparison import assert_resumed_within_floor, assert_runs_within_floor, floor_run
 from tests.torchrun import EP_ITERS, MLA_FLAGS, MOE_FLAGS, MUON_FLAGS, MegatronRun, run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
@@ -57,10 +58,6 @@ HSDP_FLAGS = [
     *("--num-distributed-optimizer-instances", "2"),
 ]
 EP_SAVE_AT = 2
-
-
-def assert_close(value: float, expected: float, what: str) -> None:
-    assert abs(value - expected) <= RELATIVE_TOLERANCE * abs(expected), (what, value, expected)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,8 +72,9 @@ def hsdp_run() -> MegatronRun:
 
 
 def test_hsdp_without_overlap_grad_reduce_trains_exactly_as_one_rank(
-    hsdp_run: MegatronRun, muon_dp1: MegatronRun
+    hsdp_run: MegatronRun, muon_dp1: MegatronRun, muon_dp1_floor: MegatronRun
 ) -> None:
+    """Floor-judged (module docstring)."""
     # Stock megatron-core 0.19.2 never all-reduces across the replicas without the flag (this
     # run then printed iteration-1 grad norm 1.197, the 1-rank run 2.002; Adam: 1.103): install()
     # turns --overlap-grad-reduce on and warns on rank 0.
@@ -86,8 +84,7 @@ def test_hsdp_without_overlap_grad_reduce_trains_exactly_as_one_rank(
     losses = hsdp_run.series("lm loss")
     print(f"\nHSDP 2x2 lm loss: {losses}\n   DP=1 lm loss: {muon_dp1.series('lm loss')}")
     assert_loss_falls(losses)
-    assert_same_losses(losses, muon_dp1.series("lm loss"))
-    assert_same_losses(hsdp_run.series("grad norm"), muon_dp1.series("grad norm"))
+    assert_runs_within_floor("muon HSDP 2x2 vs DP=1", hsdp_run, muon_dp1, muon_dp1_floor)
 
 
 def test_validate_args_turns_on_overlap_grad_reduce_for_muon_with_hsdp_only(
@@ -147,28 +144,36 @@ def ep_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ep2_ckpt")
 
 
-def _ep_runs(checkpoint: Path, model_flags: list[str]) -> tuple[MegatronRun, MegatronRun]:
-    """EP=2 on 4 ranks (saving at iteration 2), and 1 rank without EP resuming from that save."""
+class EpRuns(NamedTuple):
+    """EP=2 on 4 ranks (saving at iteration 2); 1 rank without EP resuming from that save; the
+    same again with every weight one ulp up after the load (its floor)."""
+
+    ep2: MegatronRun
+    one_rank: MegatronRun
+    one_rank_floor: MegatronRun
+
+
+def _ep_runs(checkpoint: Path, model_flags: list[str]) -> EpRuns:
     save = ["--save", str(checkpoint), "--save-interval", str(EP_SAVE_AT)]
     flags = [*MOE_FLAGS, *model_flags]
     ep2 = run_megatron([*flags, "--expert-model-parallel-size", "2", *save], nproc=4)
-    one_rank = run_megatron([*flags, *_load_ep_checkpoint(checkpoint)], nproc=1)
-    return ep2, one_rank
+    resume = [*flags, *_load_ep_checkpoint(checkpoint)]
+    return EpRuns(ep2, run_megatron(resume, nproc=1), floor_run(resume, nproc=1))
 
 
 @pytest.fixture(scope="module")
-def ep_runs(ep_checkpoint: Path) -> tuple[MegatronRun, MegatronRun]:
+def ep_runs(ep_checkpoint: Path) -> EpRuns:
     return _ep_runs(ep_checkpoint, [])
 
 
 @pytest.fixture(scope="module")
-def mla_ep_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[MegatronRun, MegatronRun]:
-    """The same two launches with multi-latent attention and MuonClip on it (``MLA_FLAGS``)."""
+def mla_ep_runs(tmp_path_factory: pytest.TempPathFactory) -> EpRuns:
+    """The same launches with multi-latent attention and MuonClip on it (``MLA_FLAGS``)."""
     return _ep_runs(tmp_path_factory.mktemp("mla_ep2_ckpt"), MLA_FLAGS)
 
 
 @pytest.fixture(params=["ep_runs", "mla_ep_runs"], ids=["gqa", "mla"])
-def either_ep_runs(request: pytest.FixtureRequest) -> tuple[MegatronRun, MegatronRun]:
+def either_ep_runs(request: pytest.FixtureRequest) -> EpRuns:
     return request.getfixturevalue(request.param)
 
 
@@ -177,9 +182,10 @@ def _load_ep_checkpoint(checkpoint: Path) -> list[str]:
 
 
 def test_expert_parallel_muon_on_4_ranks_equals_one_rank_from_the_same_state(
-    either_ep_runs: tuple[MegatronRun, MegatronRun],
+    either_ep_runs: EpRuns,
 ) -> None:
-    ep2, one_rank = either_ep_runs
+    """Floor-judged (module docstring)."""
+    ep2, one_rank, floor = either_ep_runs
     print(f"\nEP=2 x 4 ranks lm loss: {ep2.series('lm loss')}")
     print(f"1 rank from iter {EP_SAVE_AT}: {one_rank.series('lm loss')}")
     assert sorted(ep2.iterations) == list(range(1, EP_ITERS + 1))
@@ -188,51 +194,32 @@ def test_expert_parallel_muon_on_4_ranks_equals_one_rank_from_the_same_state(
     # Experts went to Muon over the expert data-parallel group (2 ranks at EP=2 on 4 ranks).
     expert = printed_lines(ep2, 0, "megatron-muon Muon[expert]: ")
     assert len(expert) == 1 and "over expt_dp (2 ranks)" in expert[0], expert
-    for iteration in range(EP_SAVE_AT + 1, EP_ITERS + 1):
-        assert_close(
-            one_rank.iterations[iteration]["grad norm"],
-            ep2.iterations[iteration]["grad norm"],
-            f"grad norm, iteration {iteration}",
-        )
-    # Megatron's first log line after a resume prints the mean of two iterations' losses (it
-    # does not reset its sum), so the iteration after it is skipped.
-    for iteration in (EP_SAVE_AT + 1, *range(EP_SAVE_AT + 3, EP_ITERS + 1)):
-        assert_close(
-            one_rank.iterations[iteration]["lm loss"],
-            ep2.iterations[iteration]["lm loss"],
-            f"lm loss, iteration {iteration}",
-        )
+    # The second logged loss after the load is Megatron's mean of two iterations' losses.
+    label = f"1 rank from iteration {EP_SAVE_AT} vs EP=2 x 4 ranks"
+    assert_resumed_within_floor(label, one_rank, ep2, floor, one_rank)
 
 
 def test_an_ep2_checkpoint_of_4_ranks_resumes_at_ep2_on_2_ranks(
-    ep_runs: tuple[MegatronRun, MegatronRun], ep_checkpoint: Path
+    ep_runs: EpRuns, ep_checkpoint: Path
 ) -> None:
+    """Floor-judged (module docstring), against the floor of the one-rank run from the same
+    checkpoint (the same iterations, optimizer and model: no launch of its own)."""
     # DP reshard at fixed EP: saved at EP=2 x DP=4 (expert DP 2), loaded at EP=2 x DP=2 (expert
     # DP 1) with one micro-batch per rank (the same global batch; more than one would hit the
     # stock expert-gradient scaling bug of a single-rank expert DP group, module docstring).
-    ep2, _ = ep_runs
+    ep2, one_rank, floor = ep_runs
     flags = [*MOE_FLAGS, "--expert-model-parallel-size", "2", "--micro-batch-size", "2"]
     resumed = run_megatron([*flags, *_load_ep_checkpoint(ep_checkpoint)], nproc=2)
     print(f"\nEP=2 on 2 ranks from iter {EP_SAVE_AT}: {resumed.series('grad norm')}")
     assert sorted(resumed.iterations) == list(range(EP_SAVE_AT + 1, EP_ITERS + 1))
-    for iteration in range(EP_SAVE_AT + 1, EP_ITERS + 1):
-        assert_close(
-            resumed.iterations[iteration]["grad norm"],
-            ep2.iterations[iteration]["grad norm"],
-            f"grad norm, iteration {iteration}",
-        )
-    # The second logged line after the resume is Megatron's mean of two iterations' losses.
-    first, second = EP_SAVE_AT + 1, EP_SAVE_AT + 2
-    expected = {i: ep2.iterations[i]["lm loss"] for i in resumed.iterations}
-    expected[second] = (expected[first] + expected[second]) / 2
-    for iteration, value in expected.items():
-        assert_close(resumed.iterations[iteration]["lm loss"], value, f"lm loss, {iteration}")
+    label = "EP=2 2 ranks resumed vs 4 ranks"
+    assert_resumed_within_floor(label, resumed, ep2, floor, one_rank)
 
 
 def test_qk_clip_lines_are_printed_on_rank_0_when_heads_are_clipped(
-    either_ep_runs: tuple[MegatronRun, MegatronRun],
+    either_ep_runs: EpRuns,
 ) -> None:
-    ep2, one_rank = either_ep_runs
+    ep2, one_rank, _ = either_ep_runs
     clipped = printed_lines(ep2, 0, "QK-clip: ")
     print("\n" + "\n".join(clipped))
     assert clipped and all("heads clipped" in line for line in clipped), clipped

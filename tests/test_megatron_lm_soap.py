@@ -35,9 +35,17 @@ otherwise):
   checked elsewhere (tests/test_factory_soap.py, the Muon and Lion loop tests).
 
 With both, megatron-core's soap at DP=1 and DP=2 print the same full-precision grad norms, and ours
-every digit of their losses and grad norms under each strategy. That ours steps exactly as stock
-SOAP given the same gradients is also tests/test_factory_soap.py's claim (bitwise, every strategy,
-dense and MoE GPT).
+every digit of their losses and grad norms under each strategy. The comparison is therefore
+**bitwise** on the losses (the same gradient bits, the same steps: shared arithmetic) and
+**floor-judged** on the full-precision grad norms (tests/run_comparison.py: the norm itself is an
+fp32 sum of squares, on shards in ours and on whole tensors in stock, a reduction order that no
+update reads with ``--clip-grad 0``), against stock with every weight one ulp up (one launch).
+That floor is SOAP's amplification itself: an ulp grows to a 2.5 relative grad-norm difference by
+iteration 8 (measured on an AVX2-only AMD Zen 3, where ours stays within 1.7e-7 of stock at every
+iteration), so the grad-norm verdict is tight at iteration 1 only and the bitwise losses carry the
+claim after it.
+That ours steps exactly as stock SOAP given the same gradients is also
+tests/test_factory_soap.py's claim (bitwise, every strategy, dense and MoE GPT).
 """
 
 from __future__ import annotations
@@ -48,12 +56,8 @@ from pathlib import Path
 import pytest
 
 from tests.fsdp_models import STRATEGIES
-from tests.megatron_lm_logs import (
-    assert_resaved_bitwise,
-    assert_resumed_bitwise,
-    assert_same_losses,
-    resave_at_dp,
-)
+from tests.megatron_lm_logs import assert_resaved_bitwise, assert_resumed_bitwise, resave_at_dp
+from tests.run_comparison import FULL_PRECISION_GUARD, assert_within_floor, floor_run, grad_norms
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = pytest.mark.timeout(900)
@@ -78,6 +82,12 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stock_soap() -> MegatronRun:
     """One rank, megatron-core's own soap without Megatron-FSDP (DDP, torch_dist format)."""
     return run_megatron(FLAGS, nproc=1, megatron_fsdp=False)
+
+
+@pytest.fixture(scope="module")
+def stock_soap_floor() -> MegatronRun:
+    """``stock_soap`` with every weight one ulp up: its floor (tests/run_comparison.py)."""
+    return floor_run(FLAGS, nproc=1, megatron_fsdp=False)
 
 
 _DP2_RUNS: dict[str, MegatronRun] = {}
@@ -129,8 +139,9 @@ def test_validate_args_accepts_soap_with_megatron_fsdp_and_its_flags(
 @pytest.mark.multirank
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_soap_in_megatron_lms_loop_equals_stock_soap_on_one_rank_for_each_strategy(
-    strategy: str, stock_soap: MegatronRun, checkpoint_root: Path
+    strategy: str, stock_soap: MegatronRun, stock_soap_floor: MegatronRun, checkpoint_root: Path
 ) -> None:
+    """Bitwise losses, floor-judged grad norms (module docstring)."""
     run = soap_dp2(strategy, checkpoint_root)
     losses = run.series("lm loss")
     print(f"\n{strategy} DP=2: {losses} ({run.wall_s:.0f} s)\n stock DP=1: {stock_soap.series()}")
@@ -139,8 +150,14 @@ def test_soap_in_megatron_lms_loop_equals_stock_soap_on_one_rank_for_each_strate
         summary = described["summary"]
         assert any("SOAP[dense]" in line for line in summary), summary
         assert any(f"strategy {strategy}" in line for line in summary), summary
-    assert_same_losses(losses, stock_soap.series("lm loss"))
-    assert_same_losses(run.series("grad norm"), stock_soap.series("grad norm"))
+    assert losses == stock_soap.series("lm loss")
+    assert_within_floor(
+        f"soap {strategy} DP=2 vs stock DP=1 grad norm",
+        grad_norms(run),
+        grad_norms(stock_soap),
+        grad_norms(stock_soap_floor),
+        guard=FULL_PRECISION_GUARD,
+    )
     # The weights change (a run that never installed its updates would print one loss 8 times).
     # Not "the loss falls 5%": SOAP at these flags wanders where the CPU's kernels round otherwise,
     # megatron-core's own as ours (on an AVX2-only AMD Zen 3 host both printed 4.870762, 4.801923,

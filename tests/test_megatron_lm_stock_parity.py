@@ -6,18 +6,21 @@ one rank, the tests' tiny GPT (2 layers, hidden 64, 12 iterations), NCCL: ours u
 same flags, for muon, adaptive_muon (adamuon, normuon, namo), soap and lion, in fp32 and in bf16
 (``tests/stock_parity.py`` says which flags make the runs like for like, and why).
 
-- fp32 (fp32 params, fp32 NS, no TF32 anywhere): every iteration's loss and grad norm equal to
-  ``RELATIVE_TOLERANCE`` (1e-5: fp32 on both sides, reduction order only; the log prints 7
-  significant digits), adaptive_muon's grad norms to ``GRAD_NORM_TOLERANCE`` (why there). On one
-  CPU rank: muon 1e-6 / 2.4e-6 (loss / grad norm), adamuon 5.2e-6 / 8.7e-5, normuon 1.2e-6 /
-  3.0e-5, lion 2.7e-7 / 1.6e-7, soap 0 / 2.1e-7.
-- bf16 (bf16 params, Megatron's default NS precision): ours' largest relative difference from stock,
+- fp32 (fp32 params, fp32 NS, no TF32 anywhere), **floor-judged** (tests/run_comparison.py):
+  fp32 on both sides, reduction order only, which the optimizer may amplify (adamuon's sign-like
+  step); every iteration's loss (printed) and full-precision grad norm within ``FLOOR_FACTOR``
+  times the floor measured in the same test, stock with every weight one ulp up against stock
+  (one more launch). On one CPU rank (AVX2-only AMD Zen 3): adamuon 5.2e-6 / 8.7e-5 (loss / grad
+  norm) against a floor of 4.2e-6 / 7.4e-5; on an Intel Xeon with AVX-512 adamuon was 1.0e-5 /
+  1.8e-4, over the fixed 1e-5 / 2e-4 this verdict replaces.
+- bf16 (bf16 params, Megatron's default NS precision), **floor-judged**: ours' largest relative
+  difference from stock,
   of the losses and of the grad norms, at most ``BF16_FLOOR_FACTOR`` times the floor measured in the
   same test: stock bf16 against stock fp32, what bf16 alone changes in megatron-core's own run.
 
 The GPU tests write their figures to ``$MEGATRON_MUON_FIGURES/stock_parity.md`` when that is set
 (scripts/gpu_check.sh sets it to its OUTDIR), for docs/gpu.md's table; they also print them. All
-their launches (4 a case) run side by side on the one GPU, before the first test's verdict.
+their launches (5 a case) run side by side on the one GPU, before the first test's verdict.
 
 On CPU (every CI run) the same comparison, one case in fp32: adaptive_muon's adamuon at its
 Adam-like lr, so that the GPU tests' code path (flags, launches, log parsing, figures) runs where
@@ -32,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from tests import stock_parity
-from tests.megatron_lm_logs import ADAPTIVE_MUON_GRAD_NORM_TOLERANCE, RELATIVE_TOLERANCE
+from tests.run_comparison import assert_runs_within_floor
 from tests.stock_parity import CASES, Comparison
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
@@ -42,12 +45,6 @@ pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
 # both runs chaotic by iteration 12), muon's 0.2-0.3 (10 iterations), lion's and soap's under 1e-5
 # (their losses bitwise); a lost or doubled update is a difference of the update's own size.
 BF16_FLOOR_FACTOR = 2.0
-# fp32 grad norms (the driver's full-precision record): adaptive_muon's second moment turns the
-# gradient buffers' other summation order into a visible difference (megatron_lm_logs says how
-# much); Lion and SOAP: 2e-7.
-GRAD_NORM_TOLERANCE = {
-    f"adaptive_muon-{m}": ADAPTIVE_MUON_GRAD_NORM_TOLERANCE for m in ("adamuon", "normuon", "namo")
-}
 FIGURES_VARIABLE = "MEGATRON_MUON_FIGURES"
 
 
@@ -64,19 +61,15 @@ def _check_launches(comparison: Comparison) -> None:
     assert min(losses) < 0.95 * losses[0], losses
 
 
-def _assert_fp32_equal(comparison: Comparison) -> None:
-    difference = comparison.difference("fp32")
-    assert difference.loss <= RELATIVE_TOLERANCE, (difference, _series(comparison, "fp32"))
-    tolerance = GRAD_NORM_TOLERANCE.get(comparison.case, RELATIVE_TOLERANCE)
-    assert difference.grad_norm <= tolerance, (difference, _series(comparison, "fp32"))
-
-
-def _series(comparison: Comparison, precision: str) -> dict[str, object]:
-    return {
-        side: (run.series("lm loss"), run.grad_norms)
-        for (p, side), run in comparison.runs.items()
-        if p == precision
-    }
+def _assert_fp32_within_floor(comparison: Comparison) -> None:
+    """Ours against stock, fp32, each iteration within the floor (tests/run_comparison.py)."""
+    runs = comparison.runs
+    assert_runs_within_floor(
+        f"{comparison.case} fp32 ours vs stock",
+        runs["fp32", "ours"],
+        runs["fp32", "stock"],
+        runs["fp32", "floor"],
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -98,7 +91,7 @@ def _selected_gpu_cases(request: pytest.FixtureRequest) -> list[str]:
 
 @pytest.fixture(scope="module")
 def on_one_gpu(request: pytest.FixtureRequest) -> dict[str, Comparison]:
-    """Every selected case's four launches on ``cuda:0``; the figures written before any
+    """Every selected case's launches on ``cuda:0``; the figures written before any
     verdict (``FIGURES_VARIABLE``)."""
     comparisons = stock_parity.compare(_selected_gpu_cases(request), "cuda")
     table = stock_parity.table(comparisons)
@@ -116,7 +109,7 @@ def test_ours_on_megatron_fsdp_equals_megatron_cores_optimizer_in_fp32_on_one_gp
     comparison = on_one_gpu[case]
     print("\n".join(comparison.rows()))
     _check_launches(comparison)
-    _assert_fp32_equal(comparison)
+    _assert_fp32_within_floor(comparison)
 
 
 @pytest.mark.gpu
@@ -138,7 +131,9 @@ def test_ours_on_megatron_fsdp_is_within_the_bf16_floor_of_megatron_cores_optimi
 
 
 def test_ours_equals_megatron_cores_adamuon_in_fp32_on_one_cpu_rank() -> None:
+    """Floor-judged (module docstring): adamuon amplifies reduction-order roundings, by how much
+    depends on the CPU's kernels; the floor is measured here, in the same three launches' time."""
     (comparison,) = stock_parity.compare(["adaptive_muon-adamuon"], "cpu", ("fp32",)).values()
     print("\n".join(comparison.rows()))
     _check_launches(comparison)
-    _assert_fp32_equal(comparison)
+    _assert_fp32_within_floor(comparison)

@@ -5,16 +5,19 @@ global batch 4): TP = 2 on 4 ranks (DP = 2) against TP = 2 on 2 ranks (DP = 1, t
 4 micro-batches), for each ``--muon-tp-mode``, 8 iterations, ``--muon-fp32-matmul-prec high``.
 
 Numerics: the two runs reduce gradients in different orders (~1e-7 relative). Iteration 1 is
-before any Muon update: grad norms equal to 1e-5 (measured: equal to all printed digits and to
-<= 5e-9 at full precision). After Muon updates, the reduction-order noise is what separates two
-computations of the same update in different orders: the duplicated and distributed runs below
-(the same Muon update: one all-gathers the TP blocks, the other all-reduces Gram matrices; and
-their strategies reduce gradients differently) differ by <= 3.3e-7 relative in the iteration-8
-loss, 4 ranks against 2 by the same (measured on the pinned stack; the loss is printed to 7
-significant digits). Tolerance on every iteration's loss: 1e-5 relative.
+before any Muon update (measured: grad norms equal to all printed digits and to <= 5e-9 at full
+precision). After Muon updates, the reduction-order noise is what separates two computations of
+the same update in different orders: the duplicated and distributed runs below (the same Muon
+update: one all-gathers the TP blocks, the other all-reduces Gram matrices; and their strategies
+reduce gradients differently) differ by <= 3.3e-7 relative in the iteration-8 loss, 4 ranks
+against 2 by the same (measured on the pinned stack; the loss is printed to 7 significant
+digits). Each comparison is **floor-judged** (tests/run_comparison.py): every iteration's printed
+loss and full-precision grad norm within ``FLOOR_FACTOR`` times what the 2-rank run of that
+tp_mode with every weight one ulp up (one more 2-rank launch per tp_mode) grew to by then.
 
 The duplicated 4-rank run also saves at ``SAVE_AT``; a 2-rank run (TP = 2 x DP = 1) resumes from it:
-DP reshard at fixed TP, every later grad norm and loss equal to the uninterrupted run's (1e-5).
+DP reshard at fixed TP, every later grad norm and loss floor-judged against the uninterrupted
+run's (the floor of the duplicated 2-rank run over the same iterations).
 
 ``--muon-tp-mode layer_sharded`` (4 ranks, duplicated's strategy) computes duplicated's update with
 each unsplit matrix orthogonalized once over the DP x TP grid: its 8 grad norms and losses equal
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_comparison import assert_resumed_within_floor, assert_runs_within_floor, floor_run
 from tests.torchrun import MegatronRun, run_megatron
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.multirank]
@@ -47,9 +51,8 @@ FLAGS = [
     *"--muon-fp32-matmul-prec high --train-iters".split(),
     str(NUM_ITERS),
 ]
-RELATIVE_TOLERANCE = 1e-5
-
 _RUNS: dict[tuple[str, int], MegatronRun] = {}
+_FLOOR_RUNS: dict[str, MegatronRun] = {}
 # The duplicated run on 4 ranks also saves here (at SAVE_AT), for the DP reshard at fixed TP.
 SAVE_AT = 4
 _CHECKPOINT: list[Path] = []
@@ -80,25 +83,26 @@ def tp2_run(tp_mode: str, nproc: int) -> MegatronRun:
     return _RUNS[key]
 
 
-def _close(value: float, expected: float) -> bool:
-    return abs(value - expected) <= RELATIVE_TOLERANCE * abs(expected)
+def tp2_floor(tp_mode: str) -> MegatronRun:
+    """``tp2_run(tp_mode, 2)`` with every weight one ulp up: its floor (tests/run_comparison.py)."""
+    if tp_mode not in _FLOOR_RUNS:
+        _FLOOR_RUNS[tp_mode] = floor_run(_flags(tp_mode), nproc=2, timeout=300)
+    return _FLOOR_RUNS[tp_mode]
 
 
 @pytest.mark.parametrize("tp_mode", TP_MODES)
 def test_tp2_on_4_ranks_equals_tp2_on_2_ranks(tp_mode: str) -> None:
+    """Floor-judged (module docstring)."""
     four, two = tp2_run(tp_mode, 4), tp2_run(tp_mode, 2)
-    losses, reference = four.series("lm loss"), two.series("lm loss")
+    printed, reference = four.series("lm loss"), two.series("lm loss")
     print(
         f"\n{tp_mode}: iteration-1 grad norm {four.grad_norms[0]!r} (4 ranks) "
-        f"{two.grad_norms[0]!r} (2 ranks)\n  lm loss 4 ranks: {losses}\n  lm loss 2 ranks: "
+        f"{two.grad_norms[0]!r} (2 ranks)\n  lm loss 4 ranks: {printed}\n  lm loss 2 ranks: "
         f"{reference}  ({four.wall_s:.1f} s, {two.wall_s:.1f} s)"
     )
     assert sorted(four.iterations) == list(range(1, NUM_ITERS + 1))
-    assert len(four.grad_norms) == len(two.grad_norms) == NUM_ITERS
-    assert abs(four.grad_norms[0] - two.grad_norms[0]) <= 1e-5, (four.grad_norms, two.grad_norms)
-    for iteration, (value, expected) in enumerate(zip(losses, reference, strict=True), start=1):
-        assert _close(value, expected), f"iteration {iteration}: {losses} vs {reference}"
-    assert losses[NUM_ITERS - 1] < 0.8 * losses[0], losses
+    assert_runs_within_floor(f"{tp_mode} TP=2 4 ranks vs 2", four, two, tp2_floor(tp_mode))
+    assert printed[NUM_ITERS - 1] < 0.8 * printed[0], printed
     for described in four.optimizers.values():
         summary = " ".join(described["summary"])
         assert "Muon[dense]" in summary and f"tp_mode {tp_mode}" in summary, described
@@ -106,13 +110,12 @@ def test_tp2_on_4_ranks_equals_tp2_on_2_ranks(tp_mode: str) -> None:
 
 
 def test_duplicated_and_distributed_agree_within_reduction_order_noise() -> None:
-    # The same update, computed in two orders: what separates 4 ranks from 2 above.
+    """The same update, computed in two orders: what separates 4 ranks from 2 above.
+    Floor-judged against the duplicated 2-rank run's floor."""
     for nproc in (4, 2):
-        duplicated = tp2_run("duplicated", nproc).series("lm loss")
-        distributed = tp2_run("distributed", nproc).series("lm loss")
-        spread = max(abs(a - b) / abs(b) for a, b in zip(duplicated, distributed, strict=True))
-        print(f"\n{nproc} ranks: duplicated vs distributed, largest relative spread {spread:.1e}")
-        assert spread <= RELATIVE_TOLERANCE, (duplicated, distributed)
+        duplicated, distributed = tp2_run("duplicated", nproc), tp2_run("distributed", nproc)
+        label = f"{nproc} ranks: distributed vs duplicated"
+        assert_runs_within_floor(label, distributed, duplicated, tp2_floor("duplicated"))
 
 
 def test_layer_sharded_equals_duplicated_at_every_iteration_bit_for_bit() -> None:
@@ -143,14 +146,8 @@ def test_a_tp2_checkpoint_of_4_ranks_resumes_on_2_ranks_as_the_uninterrupted_run
         f"{uninterrupted.grad_norms[SAVE_AT:]}"
     )
     assert sorted(resumed.iterations) == list(range(SAVE_AT + 1, NUM_ITERS + 1))
-    expected_norms = uninterrupted.grad_norms[SAVE_AT:]
-    assert len(resumed.grad_norms) == len(expected_norms) == NUM_ITERS - SAVE_AT
-    for value, expected in zip(resumed.grad_norms, expected_norms, strict=True):
-        assert value is not None and expected is not None
-        assert _close(value, expected), (resumed.grad_norms, expected_norms)
-    losses = uninterrupted.iterations
-    first, second = SAVE_AT + 1, SAVE_AT + 2
-    expected_losses = {i: losses[i]["lm loss"] for i in resumed.iterations}
-    expected_losses[second] = (losses[first]["lm loss"] + losses[second]["lm loss"]) / 2
-    for iteration, expected in expected_losses.items():
-        assert _close(resumed.iterations[iteration]["lm loss"], expected), iteration
+    # Floor-judged (module docstring): the floor of the duplicated 2-rank run, against its
+    # reference, over the iterations up to each resumed one.
+    floor, floor_reference = tp2_floor("duplicated"), tp2_run("duplicated", 2)
+    label = "TP=2 x DP=2 -> DP=1 resumed"
+    assert_resumed_within_floor(label, resumed, uninterrupted, floor, floor_reference)

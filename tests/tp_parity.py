@@ -85,8 +85,10 @@ def train_ranks(
     cases: list[tuple[Parallelism, str]],
     check_errors: bool = False,
     check_split: bool = False,
+    nudge: bool = False,
 ) -> dict:
-    """Trains each ``(parallelism, tp_mode)`` case in turn (harness rank body).
+    """Trains each ``(parallelism, tp_mode)`` case in turn (harness rank body); ``nudge``: every
+    weight one ulp up before the first step (a floor run, tests/run_comparison.py).
 
     Returns ``{"runs": [per case], "errors": {...}, "split": {...}}``; with ``check_errors``,
     ``errors`` holds the messages ``build_muon_optimizer`` raises for process groups that do not
@@ -102,7 +104,7 @@ def train_ranks(
             if (parallelism.tp, parallelism.expert_tp) != current:
                 _init(parallelism)
                 current = (parallelism.tp, parallelism.expert_tp)
-            out["runs"].append(_train(parallelism, tp_mode))
+            out["runs"].append(_train(parallelism, tp_mode, nudge=nudge))
         if check_errors or check_split:
             if current != (DENSE_TP2.tp, DENSE_TP2.expert_tp):
                 _init(DENSE_TP2)
@@ -177,11 +179,13 @@ def _train(
     model: dict | None = None,
     min_split_flops: int | None = None,
     replay: list[dict] | None = None,
+    nudge: bool = False,
 ) -> dict:
     """``NUM_STEPS`` steps of the tiny GPT under ``parallelism`` and ``tp_mode``; ``model``:
     ``TransformerConfig`` overrides; ``min_split_flops``: ``MuonFsdpConfig``'s (None: default);
     ``replay``: each step's reduced gradients to step with instead of this run's own (another
-    run's ``"grads"``, the same layout)."""
+    run's ``"grads"``, the same layout); ``nudge``: every weight's row shard one ulp up (toward
+    +inf) before the first step."""
     from megatron.core import parallel_state
 
     from megatron_muon import MuonFsdpConfig, QKClipConfig, ShardedMuon, build_muon_optimizer
@@ -204,6 +208,11 @@ def _train(
     fsdp = optimizer.fsdp_modules[0]
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    if nudge:
+        with torch.no_grad():
+            for param in named.values():
+                local = param.to_local()
+                local.copy_(torch.nextafter(local, torch.full_like(local, torch.inf)))
     initial = {n: _piece(p, p) for n, p in named.items()}
     grads, stats = [], []
     for step in range(NUM_STEPS):
