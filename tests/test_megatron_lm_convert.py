@@ -6,8 +6,8 @@ shared by both tests:
 
 - ``stock``: megatron-core's DDP with the distributed optimizer (``--ckpt-format torch_dist
   --dist-ckpt-optim-fully-reshardable``), 8 iterations at DP = 2, saving at 4 (and 8): the
-  reference, the run continued at its own layout (a resume there is bitwise it: the CPU stand-in
-  ``distributed_optimizer_load`` says why it was not before);
+  reference, the run continued at its own layout (a resume there is bitwise it:
+  ``integrations.distributed_optimizer_resume`` says why it was not before);
 - ``floor``: the same stock run resumed from its iteration-4 save at DP = 1: what a layout change
   alone (another reduction order) makes of iterations 5 to 8;
 - ``fsdp``: the iteration-4 save converted to ``fsdp_dtensor`` and continued on Megatron-FSDP at

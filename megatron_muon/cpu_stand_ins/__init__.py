@@ -74,18 +74,11 @@ Sequence parallelism (``sequence_parallel_norm``):
   (``uneven_collectives``): gloo refuses lists of unequal tensors; the same results through a
   padded all-gather and an all-reduce, only where split sizes are given.
 
-megatron-core's ``torch_dist`` checkpoints of a Megatron-DDP run (``device_redirect``,
-``distributed_optimizer_load``):
-
-- the save's finalize broadcasts its failure flag from a tensor on ``torch.cuda.current_device()``
-  (``state_dict_saver.py:251``): there it names the CPU (``_CURRENT_DEVICE_CPU_MODULES``).
-- ``DistributedOptimizer.state_dict()`` without Apex or Transformer Engine reads Adam's step from
-  torch Adam's per-param state, which a fresh process's Adam does not hold before its first step:
-  a ``--load`` stopped at ``assert len(steps) == 1``. Where Adam holds no state, each param first
-  gets the state its first step would create (step 0, zero moments), all of it overwritten by the
-  load; the load's copy of a param's tensors skips ``step`` (the checkpoint holds it per group:
-  ``KeyError: 'step'``), and each param gets a step tensor of its own (the load shares one, which
-  torch's Adam then advanced once per param at every step: a resume was not the uninterrupted run).
+megatron-core's ``torch_dist`` checkpoints of a Megatron-DDP run (``device_redirect``): the save's
+finalize broadcasts its failure flag from a tensor on ``torch.cuda.current_device()``
+(``state_dict_saver.py:251``): there it names the CPU (``_CURRENT_DEVICE_CPU_MODULES``). (Its
+resume without Apex or Transformer Engine is megatron-core's bug on any machine, not a CUDA call:
+``integrations.distributed_optimizer_resume``, applied by ``megatron_lm.install()``.)
 
 Megatron-LM's own training loop, ``megatron.training.pretrain`` (``install_for_training()``, on top
 of everything above; ``training_loop``):
@@ -129,7 +122,6 @@ from megatron_muon.cpu_stand_ins import (
     bridge_loop,
     cuda_runtime,
     device_redirect,
-    distributed_optimizer_load,
     fsdp,
     sequence_parallel_norm,
     training_loop,
@@ -183,7 +175,6 @@ def install(extra_redirect_modules: list[str] | None = None) -> None:
     device_redirect.patch()
     sequence_parallel_norm.patch()
     uneven_collectives.patch()
-    distributed_optimizer_load.patch()
     _INSTALLED = True
 
 

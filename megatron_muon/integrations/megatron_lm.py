@@ -12,7 +12,7 @@ soap, whose owner state needs a 1-D data-parallel mesh).
 What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_guards.vocab``, 9 in
 ``checkpoint_guards.integrity``, 10 in ``restart_store``; plus the packaging fix 5 and the
-megatron-core fixes 6, 7, 8 and 11):
+megatron-core fixes 6, 7, 8, 11 and 12):
 
 1. ``megatron.training.arguments.parse_args``: our flags
 (``megatron_muon.fsdp.arguments.add_muon_args``:
@@ -102,6 +102,10 @@ megatron-core fixes 6, 7, 8 and 11):
     lacks); without it, megatron-core's ``TensorParallelAdaptiveMuon``, which crashes at its
     first step and would scale twice, is replaced in megatron-core's registry by a fixed subclass
     (``adaptive_muon_fix``).
+12. megatron-core's ``DistributedOptimizer`` over torch's Adam without Apex or Transformer Engine
+    (a Megatron-DDP run, e.g. one brought over with ``python -m megatron_muon.convert``) could not
+    resume a ``torch_dist`` checkpoint, and once loaded advanced one shared ``step`` per param:
+    ``distributed_optimizer_resume`` makes a resume bitwise the uninterrupted run.
 
 Every other combination (adam with Megatron-FSDP but for its state made at build time, muon without
 Megatron-FSDP, ...) reaches the original functions with the original arguments. Checked against
@@ -139,6 +143,7 @@ from megatron_muon.fsdp.checkpointed_optimizer import (
 from megatron_muon.fsdp.optimizer_registry import routed_by_install
 from megatron_muon.integrations import (
     adaptive_muon_fix,
+    distributed_optimizer_resume,
     local_core_attention,
     mla_tensor_parallel,
     restart_store,
@@ -230,6 +235,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     restart_store.patch()
     stock_lion.patch()
     adaptive_muon_fix.install()
+    distributed_optimizer_resume.patch()
     _INSTALLED = True
 
 
