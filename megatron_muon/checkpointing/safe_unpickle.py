@@ -355,11 +355,12 @@ _DCP_LOAD_BYTES = DefaultLoadPlanner.load_bytes
 
 
 def restricted_read_metadata(reader: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
-    """``FileSystemReader.read_metadata`` of torch 2.14, reading through ``MetadataUnpickler``
+    """``FileSystemReader.read_metadata`` (torch 2.8 to 2.14) through ``MetadataUnpickler``
     and confining the storage references (no ``super()``: ``megatron_muon.integrations`` sets it
     on the class itself)."""
     directory = str(reader.path)
-    name = os.path.basename(str(reader._get_metadata_path(kwargs.get("rank"))))
+    rank = kwargs.get("rank")  # torch >= 2.9: per-rank metadata files (``_get_metadata_path``)
+    name = ".metadata" if rank is None else f"__{rank}.metadata"
     file, _ = confined_file(directory, name)
     with open_regular(file) as stream:
         metadata = _load_metadata(stream, file, trust_pickles=False)
