@@ -202,8 +202,12 @@ def test_dcps_own_load_through_the_restricted_reader_refuses_a_fifo_before_openi
     copy = _cases(saved)["fifo"][0]
     state = {"weight": torch.zeros(8, 8), "args": None}
     start = time.monotonic()
-    # DCP wraps its reader's error (CheckpointException, a BaseException), our message inside.
-    with pytest.raises(BaseException, match="fifo: refused \\(not a regular file \\(a FIFO\\)\\)"):
+    # DCP wraps its reader's error (CheckpointException, a BaseException), our message inside;
+    # torch 2.9 to 2.11's DCP swallows a reader's error on the global .metadata to try per-rank
+    # files and then stops with "metadata is None" (refused all the same, our message lost there;
+    # Megatron's doors check first and name the file: test_megatron_lm_storage_faults).
+    refused = "fifo: refused \\(not a regular file \\(a FIFO\\)\\)|metadata is None"
+    with pytest.raises(BaseException, match=refused):
         dcp.load(state, storage_reader=safe_unpickle.RestrictedFileSystemReader(copy), no_dist=True)
     assert time.monotonic() - start < REFUSED_WITHIN_S
     assert torch.equal(state["weight"], torch.zeros(8, 8))
