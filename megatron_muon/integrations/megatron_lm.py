@@ -9,7 +9,7 @@ together with ``--use-megatron-fsdp --ckpt-format fsdp_dtensor``, for every
 ``--data-parallel-sharding-strategy`` and HSDP (``--num-distributed-optimizer-instances``; not
 soap, whose owner state needs a 1-D data-parallel mesh).
 
-What ``install()`` patches, and why (seven functions, each wrapped, none copied; 1 and 2 are in
+What ``install()`` patches, and why (each function wrapped, none copied; 1 and 2 are in
 ``megatron_lm_arguments``, 3 here, 4 in ``checkpoint_guards.vocab``, 9 in
 ``checkpoint_guards.integrity``, 10 in ``restart_store``; plus the packaging fix 5 and the
 megatron-core fixes 6, 7, 8, 11 and 12):
