@@ -16,21 +16,19 @@ import torch
 from megatron_muon.integrations import MOVED as MOVED_GUARDS
 from megatron_muon.sharded import MOVED
 
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_path_warns_naming_the_new_one_and_is_the_new_module(old: str) -> None:
-    sys.modules.pop(f"megatron_muon.sharded.{old}", None)
-    with pytest.warns(DeprecationWarning, match=rf"import {MOVED[old]}$"):
-        module = importlib.import_module(f"megatron_muon.sharded.{old}")
-    assert module is importlib.import_module(MOVED[old])
+OLD_PATHS = [("megatron_muon.sharded", old, new) for old, new in sorted(MOVED.items())] + [
+    ("megatron_muon.integrations", old, new) for old, new in sorted(MOVED_GUARDS.items())
+]
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_GUARDS))
-def test_old_checkpoint_guard_path_warns_naming_the_new_one_and_is_the_new_module(old: str) -> None:
-    sys.modules.pop(f"megatron_muon.integrations.{old}", None)
-    with pytest.warns(DeprecationWarning, match=rf"import {MOVED_GUARDS[old]}$"):
-        module = importlib.import_module(f"megatron_muon.integrations.{old}")
-    assert module is importlib.import_module(MOVED_GUARDS[old])
+@pytest.mark.parametrize(("package", "old", "new"), OLD_PATHS)
+def test_old_module_path_warns_naming_the_new_one_and_is_the_new_module(
+    package: str, old: str, new: str
+) -> None:
+    sys.modules.pop(f"{package}.{old}", None)
+    with pytest.warns(DeprecationWarning, match=rf"import {new}$"):
+        module = importlib.import_module(f"{package}.{old}")
+    assert module is importlib.import_module(new)
 
 
 def test_from_import_of_an_old_class_path_gives_the_same_class_with_one_warning() -> None:
