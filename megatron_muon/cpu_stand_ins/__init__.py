@@ -73,6 +73,10 @@ Sequence parallelism (``sequence_parallel_norm``):
 - the uneven all-gather / reduce-scatter of expert tensor parallelism's token dispatch
   (``uneven_collectives``): gloo refuses lists of unequal tensors; the same results through a
   padded all-gather and an all-reduce, only where split sizes are given.
+- ``LayerWiseDistributedOptimizer.allgather_params`` (megatron-core's own distributed Muon, as
+  Megatron-LM's config-container builder sets it up: no precomputed layout) all-gathers one flat
+  tensor per rank of each rank's own length (``uneven_collectives``): gloo refuses it; while it
+  runs, such an all-gather pads to the longest and cuts each rank's length back (bit for bit).
 
 megatron-core's ``torch_dist`` checkpoints of a Megatron-DDP run (``device_redirect``): the save's
 finalize broadcasts its failure flag from a tensor on ``torch.cuda.current_device()``

@@ -1,4 +1,4 @@
-"""CPU stand-ins for the uneven all-gather and reduce-scatter of expert tensor parallelism.
+"""CPU stand-ins for the uneven all-gathers and reduce-scatter of megatron-core on gloo.
 
 With MoE and tensor parallelism > 1 (expert TP > 1), megatron-core's token dispatchers gather the
 tokens of the expert-TP group and reduce-scatter them back with per-rank row counts that differ
@@ -15,20 +15,32 @@ given (the even paths are untouched):
   cut off (the gathered values are the inputs, bit for bit);
 - reduce-scatter: an ``all_reduce`` (sum) of the whole input, then this rank's rows (the same sum
   over the same ranks; on CPU, only the order of the additions may differ).
+
+megatron-core's own distributed Muon (``LayerWiseDistributedOptimizer``) without a precomputed
+param layout (the path Megatron-LM's config-container builder takes, ``models/dist_utils.py``,
+which computes a layout only for the plain distributed optimizer) all-gathers each rank's updated
+params as one flat tensor per rank, of each rank's own length (``allgather_params``,
+layer_wise_optimizer.py:772: "PyTorch's NCCL backend handles uneven sizes in all_gather"); gloo
+refuses it (measured, 4 CPU ranks, TP = 2 x DP = 2: "ProcessGroupGloo::allgather: invalid tensor
+size at index 0 (expected (33440), got (25248))"). While ``allgather_params`` runs,
+``torch.distributed.all_gather`` over a list of unequal 1-D tensors pads each to the longest,
+gathers evenly and copies each rank's own length back into its slot (``uneven_all_gather_into``;
+the values bit for bit); an even list goes to the original.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_muon.cpu_stand_ins._replace import import_optional, replace_once
+from megatron_muon.cpu_stand_ins._replace import import_optional, replace_once, set_stand_in
 
-__all__ = ["patch", "uneven_all_gather", "uneven_reduce_scatter"]
+__all__ = ["patch", "uneven_all_gather", "uneven_all_gather_into", "uneven_reduce_scatter"]
 
 
 def uneven_all_gather(
@@ -46,6 +58,21 @@ def uneven_all_gather(
     return torch.cat(
         [rows[: int(size)] for rows, size in zip(gathered, split_sizes, strict=True)], dim=0
     )
+
+
+def uneven_all_gather_into(
+    outputs: list[torch.Tensor], local: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
+    """``dist.all_gather(outputs, local, group)`` for 1-D ``outputs`` of unequal lengths, as
+    NCCL does it: ``outputs[r]`` gets rank ``r``'s ``local`` (whose length is ``outputs[r]``'s).
+    Collective over ``group``."""
+    largest = max(int(output.numel()) for output in outputs)
+    padded = local.new_zeros(largest)
+    padded[: local.numel()] = local
+    gathered = [torch.empty_like(padded) for _ in outputs]
+    dist.all_gather(gathered, padded, group=group)
+    for output, rows in zip(outputs, gathered, strict=True):
+        output.copy_(rows[: output.numel()])
 
 
 def uneven_reduce_scatter(
@@ -81,10 +108,43 @@ def _reduce_scatter(original: Any) -> Any:
     return reduce_scatter
 
 
+@contextlib.contextmanager
+def _uneven_all_gather_lists() -> Iterator[None]:
+    """Within: ``dist.all_gather`` over 1-D tensors of unequal lengths is
+    ``uneven_all_gather_into`` (module docstring); any other call is the original."""
+    original = dist.all_gather
+
+    def all_gather(outputs: Any, local: Any, group: Any = None, async_op: bool = False) -> Any:
+        sizes = {int(output.numel()) for output in outputs}
+        if len(sizes) == 1 or async_op or any(output.ndim != 1 for output in outputs):
+            return original(outputs, local, group=group, async_op=async_op)
+        uneven_all_gather_into(outputs, local, group)
+        return None
+
+    set_stand_in(dist, "all_gather", all_gather)
+    try:
+        yield
+    finally:
+        set_stand_in(dist, "all_gather", original)
+
+
+def _layer_wise_allgather(original: Any) -> Any:
+    @functools.wraps(original)
+    def allgather_params(self: Any) -> None:
+        with _uneven_all_gather_lists():
+            original(self)
+
+    return allgather_params
+
+
 def patch() -> None:
-    """The uneven paths of megatron-core's first-dim all-gather and reduce-scatter, on gloo."""
+    """The uneven paths of megatron-core's first-dim all-gather and reduce-scatter, and of
+    ``LayerWiseDistributedOptimizer.allgather_params``, on gloo."""
     mappings = import_optional("megatron.core.tensor_parallel.mappings")
-    if mappings is None:
-        return
-    replace_once(mappings, "_gather_along_first_dim", _gather)
-    replace_once(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter)
+    if mappings is not None:
+        replace_once(mappings, "_gather_along_first_dim", _gather)
+        replace_once(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter)
+    layer_wise = import_optional("megatron.core.optimizer.layer_wise_optimizer")
+    if layer_wise is not None:
+        owner = layer_wise.LayerWiseDistributedOptimizer
+        replace_once(owner, "allgather_params", _layer_wise_allgather)

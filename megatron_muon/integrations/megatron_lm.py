@@ -106,6 +106,11 @@ megatron-core fixes 6, 7, 8, 11 and 12):
     (a Megatron-DDP run, e.g. one brought over with ``python -m megatron_muon.convert``) could not
     resume a ``torch_dist`` checkpoint, and once loaded advanced one shared ``step`` per param:
     ``distributed_optimizer_resume`` makes a resume bitwise the uninterrupted run.
+13. megatron-core's own distributed Muon (``--optimizer muon --use-distributed-optimizer``
+    without Megatron-FSDP: ``LayerWiseDistributedOptimizer``) stopped at the first backward in
+    fp32 (its children are raw torch optimizers, wrapped only under ``--bf16``):
+    ``layer_wise_fp32`` wraps them in megatron-core's ``FP32Optimizer``, so such a run trains and
+    saves ``torch_dist`` (the run ``python -m megatron_muon.convert`` brings over).
 
 Every other combination (adam with Megatron-FSDP but for its state made at build time, muon without
 Megatron-FSDP, ...) reaches the original functions with the original arguments. Checked against
@@ -144,6 +149,7 @@ from megatron_muon.fsdp.optimizer_registry import routed_by_install
 from megatron_muon.integrations import (
     adaptive_muon_fix,
     distributed_optimizer_resume,
+    layer_wise_fp32,
     local_core_attention,
     mla_tensor_parallel,
     restart_store,
@@ -236,6 +242,7 @@ def install(*, cpu_stand_ins: bool | None = None) -> None:
     stock_lion.patch()
     adaptive_muon_fix.install()
     distributed_optimizer_resume.patch()
+    layer_wise_fp32.patch()
     _INSTALLED = True
 
 
