@@ -1,6 +1,7 @@
 """``python -m megatron_muon.convert`` on hand-built checkpoints, one process: the key mapping of
 both formats (the names measured from Megatron-LM's own saves, docs/checkpoints.md), a round trip
-torch_dist -> fsdp_dtensor -> torch_dist bitwise, and each refusal named.
+torch_dist -> fsdp_dtensor -> torch_dist bitwise (Adam; megatron-core's LayerWise Muon and ours),
+and each refusal named.
 
 The checkpoints here are written by the converter's own writers from a tiny GPT's model-space
 tensors (2 layers, hidden 8, the local spec, swiglu); the multi-rank test
@@ -157,14 +158,14 @@ def test_torch_dist_to_fsdp_dtensor_and_back_is_bitwise(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "common", "named"),
     [
-        ({"optimizer": "muon"}, {}, "--optimizer muon"),
+        ({"optimizer": "sgd"}, {}, "--optimizer sgd"),
         ({"pipeline_model_parallel_size": 2}, {}, "--pipeline-model-parallel-size 2"),
         ({"num_experts": 4}, {}, "--num-experts 4"),
         ({"bf16": True}, {}, "--bf16"),
         ({}, {"param_state_sharding_type": "dp_reshardable"}, "'dp_reshardable'"),
         ({}, {"param_state_sharding_type": None}, "--use-distributed-optimizer"),
     ],
-    ids=["muon", "pipeline", "experts", "bf16", "dp_reshardable", "no_distributed_optimizer"],
+    ids=["sgd", "pipeline", "experts", "bf16", "dp_reshardable", "no_distributed_optimizer"],
 )
 def test_a_layout_that_cannot_map_is_refused_by_name_and_nothing_is_written(
     tmp_path: Path, overrides: dict[str, object], common: dict[str, object], named: str
@@ -173,6 +174,72 @@ def test_a_layout_that_cannot_map_is_refused_by_name_and_nothing_is_written(
     with pytest.raises(ConversionRefused, match=named.replace("-", r"\-")):
         convert("torch_dist", str(source), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def _muon_space(**overrides: object) -> ModelSpace:
+    """``_space`` as a Muon run holds it: each matrix (2-D, no embedding) Muon's momentum and no
+    step, the rest AdamW's state."""
+    space = _space(optimizer="muon", **overrides)
+    for name, param in space.params.items():
+        if param.ndim == 2 and "embedding" not in name:
+            space.state[name] = {"momentum_buffer": space.state[name]["exp_avg"]}
+            del space.steps[name]
+            space.groups[name] = {"lr": 1e-3, "momentum": 0.9, "wd_mult": 1.0, "lr_mult": 1.0}
+    return space
+
+
+def test_a_layer_wise_muon_checkpoint_converts_to_ours_and_back_bitwise(tmp_path: Path) -> None:
+    """megatron-core's Muon (LayerWise) in torch_dist: each child's state under ``chained_<i>.``,
+    its children int-keyed in the common state (as Megatron's load needs them), AdamW's step as
+    ``common_step``; in fsdp_dtensor a matrix's ``momentum_buffer`` (swiglu halves too) and no
+    step; and back, every tensor bitwise."""
+    space = _muon_space()
+    source = tmp_path / "torch_dist" / "iter_0000007"
+    write_checkpoint(str(source), torch_dist_values(space))
+    files = DcpFiles(str(source))
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    assert f"chained_0.optimizer.state.momentum_buffer.{qkv}" in files.tensor_keys
+    assert "chained_1.optimizer.state.exp_avg.embedding.word_embeddings.weight" in files.tensor_keys
+    optimizer = files.objects([COMMON_KEY])[COMMON_KEY][0]["optimizer"]
+    assert sorted(optimizer) == [0, 1]
+    assert float(optimizer[1]["optimizer"]["state"]["common_step"]) == 7.0
+    convert("torch_dist", str(source), str(tmp_path / "fsdp"), progress=lambda _: None)
+    ours = read_fsdp_dtensor(str(tmp_path / "fsdp" / "iter_0000007"))
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    assert torch.equal(ours.state[fc1]["momentum_buffer"], space.state[fc1]["momentum_buffer"])
+    assert fc1 not in ours.steps and ours.steps["decoder.final_layernorm.weight"] == 7.0
+    values = DcpFiles(str(tmp_path / "fsdp" / "iter_0000007")).tensor_keys
+    assert f"{names.FSDP_STATE_PREFIX}{fc1}_w.momentum_buffer" in values
+    assert f"{names.FSDP_STATE_PREFIX}{fc1}_w.step" not in values
+    summary = convert("fsdp_dtensor", str(tmp_path / "fsdp"), str(tmp_path / "back"))
+    assert "Muon's momentum_buffer per matrix" in "\n".join(summary.lines())
+    after = DcpFiles(str(tmp_path / "back" / "iter_0000007"))
+    assert sorted(after.tensor_keys) == sorted(files.tensor_keys)
+    got, expected = after.tensors(list(after.tensor_keys)), files.tensors(list(files.tensor_keys))
+    assert not [key for key in expected if not torch.equal(got[key], expected[key])]
+    assert sorted(after.objects([COMMON_KEY])[COMMON_KEY][0]["optimizer"]) == [0, 1]
+
+
+def test_muon_with_a_learned_position_embedding_is_refused_naming_it(tmp_path: Path) -> None:
+    """megatron-core's Muon orthogonalizes it, ours runs it on AdamW: no counterpart."""
+    space = _muon_space()
+    name = "embedding.position_embeddings.weight"
+    space.params[name] = torch.zeros(16, HIDDEN)
+    space.state[name] = {"momentum_buffer": torch.zeros(16, HIDDEN)}
+    space.groups[name] = space.groups["decoder.layers.0.self_attention.linear_proj.weight"]
+    write_checkpoint(str(tmp_path / "in" / "iter_0000007"), torch_dist_values(space))
+    with pytest.raises(ConversionRefused, match="position-embedding-type rope"):
+        convert("torch_dist", str(tmp_path / "in" / "iter_0000007"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_muon_without_layer_wise_is_refused_naming_it(tmp_path: Path) -> None:
+    """``--optimizer muon`` without ``--use-distributed-optimizer``: not LayerWise's state."""
+    values = torch_dist_values(_space())
+    values[COMMON_KEY][0]["args"].optimizer = "muon"
+    write_checkpoint(str(tmp_path / "in" / "iter_0000007"), values)
+    with pytest.raises(ConversionRefused, match="LayerWiseDistributedOptimizer"):
+        convert("torch_dist", str(tmp_path / "in" / "iter_0000007"), str(tmp_path / "out"))
 
 
 def test_an_fsdp_dtensor_checkpoint_of_muon_state_is_refused_naming_the_state(

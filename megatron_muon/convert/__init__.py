@@ -1,5 +1,6 @@
 """``python -m megatron_muon.convert``: a checkpoint of megatron-core's DDP (``torch_dist``) as
-Megatron-FSDP's ``fsdp_dtensor``, and back. May import ``checkpointing`` and ``common``.
+Megatron-FSDP's ``fsdp_dtensor``, and back: Adam, and Muon (megatron-core's LayerWise, ours).
+May import ``checkpointing`` and ``common``.
 
 One offline process: both formats hold global tensors (every TP, EP and DP shard a chunk of one
 global tensor in DCP's metadata), so one process reads any layout's checkpoint whole and writes one
@@ -12,6 +13,7 @@ Modules, one concept each:
 - ``model_space``: ``ModelSpace`` (what a conversion carries), ``ConversionRefused``;
 - ``dcp_files``: a DCP directory read and written in one process, pickles read restricted;
 - ``torch_dist`` / ``fsdp_dtensor``: each format read into model space and written from it;
+- ``layer_wise``: megatron-core's own Muon (``LayerWiseDistributedOptimizer``) in ``torch_dist``;
 - ``run``: ``convert(...)``: source -> model space -> target, with progress and a summary;
 - ``__main__``: the command line.
 """

@@ -1,8 +1,10 @@
 """``python -m megatron_muon.convert --from torch_dist|fsdp_dtensor SRC DST``.
 
 Converts a Megatron-LM checkpoint of megatron-core's DDP with the distributed optimizer
-(``torch_dist``, saved with ``--dist-ckpt-optim-fully-reshardable``) into Megatron-FSDP's
-``fsdp_dtensor``, or back: model, Adam's state, param groups, scheduler, iteration, ``args``.
+(``torch_dist``: Adam saved with ``--dist-ckpt-optim-fully-reshardable``, or Muon with
+``--use-distributed-optimizer``, i.e. ``LayerWiseDistributedOptimizer``) into Megatron-FSDP's
+``fsdp_dtensor``, or back: model, Adam's state or Muon's momentum (AdamW's state for the rest),
+param groups, scheduler, iteration, ``args``.
 One process, no GPU (both formats hold global tensors: any TP/DP on either side). Exit status 2
 and one line naming what cannot map where a layout or state is refused.
 """

@@ -77,6 +77,21 @@ def write_checkpoint(directory: str, values: dict[str, Any]) -> None:
     if os.path.isdir(directory) and os.listdir(directory):
         raise FileExistsError(f"{directory} exists and is not empty: nothing written")
     os.makedirs(directory, exist_ok=True)
-    # Keys as given, each value whole: a list (torch_dist's common state) stays one item.
-    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner = _WholeObjectsPlanner(values)
     dcp.save(values, storage_writer=FileSystemWriter(directory), planner=planner, no_dist=True)
+
+
+class _WholeObjectsPlanner(DefaultSavePlanner):
+    """DCP's default save planner, keys as given (no flattening), each object pickled as the
+    caller gave it: through DCP's own lookup a nested dict's keys come back as strings
+    (measured, torch 2.14: ``[{0: 1}]`` saved, ``[{"0": 1}]`` read), and LayerWise's common
+    state is keyed by its children's int indices (``{0: ..., 1: ...}``; Megatron's load refuses
+    it keyed ``"0"``, ``"1"``: "Expected 2 entries in state dict, but got 4")."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(flatten_state_dict=False)
+        self._values = values
+
+    def lookup_object(self, index: Any) -> Any:
+        value = self._values.get(index.fqn)
+        return super().lookup_object(index) if torch.is_tensor(value) else value

@@ -2,7 +2,8 @@
 (``convert.names`` lists the keys).
 
 Read and written: ``model.module.<name>`` weights, Adam's state per param
-(``optimizer.state.module.module.<name>.{exp_avg,exp_avg_sq,step}``), each param's group fields
+(``optimizer.state.module.module.<name>.{exp_avg,exp_avg_sq,step}``) or, in a Muon run, a
+matrix's momentum (``...<name>.momentum_buffer``, no step), each param's group fields
 (``optimizer.param_to_group_meta...``), the scheduler's fields (``opt_param_scheduler.<field>``),
 ``args``, ``iteration``, ``checkpoint_version``, ``num_floating_point_operations_so_far``. Not
 written: the RNG states (one per saving rank, no counterpart at another layout: load with
@@ -22,6 +23,7 @@ from megatron_muon.convert import names
 from megatron_muon.convert.dcp_files import DcpFiles
 from megatron_muon.convert.model_space import (
     ADAM_STATE,
+    MUON_STATE,
     ConversionRefused,
     ModelSpace,
     check_source_args,
@@ -98,10 +100,11 @@ def read_fsdp_dtensor(directory: str) -> ModelSpace:
     }
     state_keys = _per_param(list(files.tensor_keys), names.FSDP_STATE_PREFIX)
     kinds = {kind for leaves in state_keys.values() for kind in leaves}
+    mapped = {*ADAM_STATE, "step", *(MUON_STATE if args.optimizer == "muon" else ())}
     refuse_unless(
-        kinds <= {*ADAM_STATE, "step"},
-        f"{directory}: optimizer state {sorted(kinds - {*ADAM_STATE, 'step'})}: no torch_dist "
-        "counterpart in megatron-core's Adam (only Adam's exp_avg, exp_avg_sq, step are mapped)",
+        kinds <= mapped,
+        f"{directory}: optimizer state {sorted(kinds - mapped)}: no torch_dist counterpart in "
+        f"megatron-core's {args.optimizer} (mapped: {sorted(mapped)})",
     )
     tensors = files.tensors(
         [*weights.values(), *(k for v in state_keys.values() for k in v.values())]
@@ -140,6 +143,7 @@ def _fsdp_args(args: argparse.Namespace) -> argparse.Namespace:
     converted.ckpt_format = "fsdp_dtensor"
     converted.use_megatron_fsdp = True
     converted.use_distributed_optimizer = True
+    converted.use_layer_wise_distributed_optimizer = False
     return converted
 
 
@@ -163,12 +167,14 @@ def fsdp_dtensor_values(space: ModelSpace) -> dict[str, Any]:
     for name, weight in space.params.items():
         for part, tensor in _split(name, weight, space.swiglu).items():
             values[names.FSDP_MODEL_PREFIX + part] = tensor
-        halves = {kind: _split(name, space.state[name][kind], space.swiglu) for kind in ADAM_STATE}
+        state = space.state[name]
+        halves = {kind: _split(name, tensor, space.swiglu) for kind, tensor in state.items()}
         for part in names.fsdp_names(name, space.swiglu):
             prefix = f"{names.FSDP_STATE_PREFIX}{part}."
-            for kind in ADAM_STATE:
+            for kind in state:
                 values[prefix + kind] = halves[kind][part]
-            values[prefix + "step"] = torch.tensor(space.steps[name], dtype=torch.float32)
+            if name in space.steps:  # Adam's; Muon's matrices keep none
+                values[prefix + "step"] = torch.tensor(space.steps[name], dtype=torch.float32)
             for field, value in space.groups[name].items():
                 values[f"{names.FSDP_META_PREFIX}{part}.{field}"] = value
     for field, value in space.scheduler.items():

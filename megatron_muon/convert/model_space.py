@@ -16,16 +16,24 @@ import torch
 __all__ = [
     "ADAM_STATE",
     "CARRIED_OPTIMIZERS",
+    "MUON_STATE",
     "ConversionRefused",
     "ModelSpace",
     "check_source_args",
     "refuse_unless",
 ]
 
-# The --optimizer values whose state both formats hold alike (per param, elementwise).
-CARRIED_OPTIMIZERS = ("adam",)
+# The --optimizer values whose state both formats hold alike (per param, elementwise): Adam, and
+# Muon (its matrices' momentum; AdamW's state for the rest).
+CARRIED_OPTIMIZERS = ("adam", "muon")
 # Adam's per-param state (torch.optim.Adam/AdamW), besides its step.
 ADAM_STATE = ("exp_avg", "exp_avg_sq")
+# Muon's per-matrix state (megatron-core's TensorParallelMuon and ours): no step.
+MUON_STATE = ("momentum_buffer",)
+_STATE_SETS = (set(ADAM_STATE), set(MUON_STATE))
+# A param megatron-core's Muon orthogonalizes (2-D, no is_embedding_or_output_parameter) and ours
+# gives AdamW: the learned absolute position embedding.
+_ROUTED_APART = "embedding.position_embeddings.weight"
 
 
 class ConversionRefused(ValueError):
@@ -39,8 +47,10 @@ class ModelSpace:
 
     Attributes:
         params: name -> the fp32 weights (the optimizer's main params where the source has them).
-        state: name -> {``exp_avg``, ``exp_avg_sq``}: Adam's moments, the param's global shape.
-        steps: name -> Adam's step count (the same for every param of a group).
+        state: name -> {``exp_avg``, ``exp_avg_sq``}: Adam's moments, or {``momentum_buffer``}:
+            Muon's momentum of a matrix; each the param's global shape.
+        steps: name -> Adam's step count (the same for every param of a group); Muon's matrices
+            have none.
         groups: name -> the param's group fields (lr, betas, wd_mult, ...; no ``params``, no
             ``step``), as megatron-core's optimizer saves them.
         scheduler: ``OptimizerParamScheduler.state_dict()``.
@@ -68,15 +78,33 @@ class ModelSpace:
     def swiglu(self) -> bool:
         return bool(getattr(self.args, "swiglu", False))
 
+    @property
+    def optimizer(self) -> str:
+        return str(getattr(self.args, "optimizer", None))
+
     def check(self) -> None:
-        """Every param has its state, step and group, and each state tensor its param's shape.
+        """Every param has its state and group, each with Adam's state its step, each state
+        tensor its param's shape; a Muon run's matrices are those both Muons route to Muon.
 
         Raises:
-            ConversionRefused: naming the first params that lack one.
+            ConversionRefused: naming the first params that lack one, or the param routed apart.
         """
-        for what, table in (("state", self.state), ("step", self.steps), ("group", self.groups)):
-            if missing := sorted(set(self.params) - set(table)):
+        adam = {n for n, state in self.state.items() if set(state) == set(ADAM_STATE)}
+        for what, table, needed in (
+            ("state", self.state, set(self.params)),
+            ("step", self.steps, adam),
+            ("group", self.groups, set(self.params)),
+        ):
+            if missing := sorted(needed - set(table)):
                 raise ConversionRefused(f"no optimizer {what} for {missing[:5]} ({len(missing)})")
+        if odd := sorted(n for n, s in self.state.items() if set(s) not in _STATE_SETS):
+            raise ConversionRefused(f"optimizer state {sorted(self.state[odd[0]])} of {odd[0]}")
+        refuse_unless(
+            self.optimizer != "muon" or _ROUTED_APART not in self.params,
+            f"{_ROUTED_APART}: megatron-core's Muon orthogonalizes the learned position "
+            "embedding, ours runs it on AdamW: no counterpart either way (train with "
+            "--position-embedding-type rope)",
+        )
         for name, state in self.state.items():
             for kind, tensor in state.items():
                 if tensor.shape != self.params[name].shape:
@@ -101,8 +129,7 @@ def check_source_args(args: argparse.Namespace, source: str) -> None:
     refuse_unless(
         getattr(args, "optimizer", None) in CARRIED_OPTIMIZERS,
         f"{source}: --optimizer {getattr(args, 'optimizer', None)}: only the state of "
-        f"{list(CARRIED_OPTIMIZERS)} is converted (megatron-core's Muon under "
-        "LayerWiseDistributedOptimizer, and our Muon's momentum, are not mapped yet)",
+        f"{list(CARRIED_OPTIMIZERS)} is converted",
     )
     refuse_unless(
         getattr(args, "pipeline_model_parallel_size", 1) == 1,

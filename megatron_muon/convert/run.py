@@ -46,6 +46,7 @@ class ConversionSummary:
     params: int
     optimizer_states: int
     wall_s: float
+    carried: str = "Adam's exp_avg, exp_avg_sq, step per param"
     notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
@@ -53,11 +54,18 @@ class ConversionSummary:
             f"converted {self.source} -> {self.target} (iteration {self.iteration}) "
             f"in {self.wall_s:.1f} s",
             f"  tensors written: {self.tensors} ({self.params} params)",
-            f"  optimizer states carried: {self.optimizer_states} (Adam's exp_avg, exp_avg_sq, "
-            "step per param; param groups; scheduler)",
+            f"  optimizer states carried: {self.optimizer_states} ({self.carried}; param "
+            "groups; scheduler)",
             "  not carried: RNG states (one per saving rank; load with --no-load-rng)",
             *(f"  {note}" for note in self.notes),
         ]
+
+
+def _carried(space: ModelSpace) -> str:
+    """What of the optimizer state is carried, in words (the summary's line)."""
+    if space.optimizer != "muon":
+        return "Adam's exp_avg, exp_avg_sq, step per param"
+    return "Muon's momentum_buffer per matrix; AdamW's exp_avg, exp_avg_sq, step per other param"
 
 
 def iteration_directory(path: str) -> str:
@@ -112,5 +120,6 @@ def convert(
         params=len(space.params),
         optimizer_states=sum(len(state) for state in space.state.values()) + len(space.steps),
         wall_s=time.monotonic() - start,
+        carried=_carried(space),
         notes=space.notes,
     )

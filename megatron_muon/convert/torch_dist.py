@@ -5,12 +5,15 @@ Read: Megatron's DDP with the distributed optimizer saved in a model-space forma
 (``--dist-ckpt-optim-fully-reshardable``: each state tensor a global tensor under its param's key).
 The per-bucket formats (``dp_reshardable``, the default without that flag;
 ``dp_zero_gather_scatter``) hold flat buffer shards whose meaning depends on the saving run's
-buckets: refused by name. The common state (``common_state/shard_0_1``: ``args``, ``iteration``,
-the scheduler, the param groups with Adam's ``step``) is read restricted.
+buckets: refused by name. megatron-core's own Muon (``--optimizer muon
+--use-distributed-optimizer``: ``LayerWiseDistributedOptimizer``) saves model space whatever the
+flag (``convert.layer_wise``). The common state (``common_state/shard_0_1``: ``args``,
+``iteration``, the scheduler, the param groups with Adam's ``step``) is read restricted.
 
 Written: the same layout, loadable by Megatron-LM's ``--ckpt-format torch_dist
 --use-distributed-optimizer --dist-ckpt-optim-fully-reshardable`` at any TP and DP (its load
-reshards global tensors); params go to groups by megatron-core's default weight-decay rule. Each
+reshards global tensors), or for Muon by its ``--optimizer muon --use-distributed-optimizer``
+(LayerWise); params go to groups by megatron-core's default weight-decay rule. Each
 layer's linear modules get the extra state the local spec saves (``None``); Transformer Engine's
 (its FP8 metadata) is written empty too: not measured with Transformer Engine.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_muon.convert import names
+from megatron_muon.convert import layer_wise, names
 from megatron_muon.convert.dcp_files import DcpFiles
 from megatron_muon.convert.model_space import (
     ADAM_STATE,
@@ -93,21 +96,8 @@ def _layer(tensor: torch.Tensor, layer: int | None) -> torch.Tensor:
     return (tensor if layer is None else tensor[layer]).clone()
 
 
-def read_torch_dist(directory: str) -> ModelSpace:
-    """A ``torch_dist`` checkpoint (one ``iter_XXXXXXX`` directory) in model space.
-
-    Raises:
-        ConversionRefused: a layout or state without an fsdp_dtensor counterpart (named).
-    """
-    files = DcpFiles(directory)
-    common = _common(files)
-    args = common["args"]
-    check_source_args(args, directory)
-    groups = _group_by_weight_decay(_param_groups(common, directory), directory)
-    impl = str(getattr(args, "transformer_impl", "transformer_engine"))
-    model_keys = [k for k in files.tensor_keys if not k.startswith("optimizer.")]
-    tensors = files.tensors(list(files.tensor_keys))
-    space = ModelSpace(
+def _empty_space(common: dict[str, Any], args: argparse.Namespace) -> ModelSpace:
+    return ModelSpace(
         params={},
         state={},
         steps={},
@@ -118,11 +108,34 @@ def read_torch_dist(directory: str) -> ModelSpace:
         flops=float(common.get("num_floating_point_operations_so_far", 0)),
         checkpoint_version=float(common.get("checkpoint_version", 3.0)),
     )
+
+
+def _unstacked(key: str, impl: str, tensor: torch.Tensor) -> list[tuple[str, int | None]]:
+    """[(model-space name, layer)] of one torch_dist key (its layers, or itself)."""
+    layers = range(tensor.shape[0]) if names.is_stacked(key) else [None]
+    return [(names.unstacked_name(key, layer, impl), layer) for layer in layers]
+
+
+def read_torch_dist(directory: str) -> ModelSpace:
+    """A ``torch_dist`` checkpoint (one ``iter_XXXXXXX`` directory) in model space.
+
+    Raises:
+        ConversionRefused: a layout or state without an fsdp_dtensor counterpart (named).
+    """
+    files = DcpFiles(directory)
+    common = _common(files)
+    args = common["args"]
+    check_source_args(args, directory)
+    if getattr(args, "optimizer", None) == "muon":
+        return _read_layer_wise(files, common, directory)
+    groups = _group_by_weight_decay(_param_groups(common, directory), directory)
+    impl = str(getattr(args, "transformer_impl", "transformer_engine"))
+    model_keys = [k for k in files.tensor_keys if not k.startswith("optimizer.")]
+    tensors = files.tensors(list(files.tensor_keys))
+    space = _empty_space(common, args)
     for key in model_keys:
         main = tensors.get(f"{_STATE_PREFIX}param.{key}", tensors[key])
-        layers = range(main.shape[0]) if names.is_stacked(key) else [None]
-        for layer in layers:
-            name = names.unstacked_name(key, layer, impl)
+        for name, layer in _unstacked(key, impl, main):
             space.params[name] = _layer(main, layer)
             space.state[name] = {
                 kind: _layer(tensors[f"{_STATE_PREFIX}{kind}.{key}"], layer) for kind in ADAM_STATE
@@ -131,6 +144,39 @@ def read_torch_dist(directory: str) -> ModelSpace:
             space.steps[name] = float(group["step"])
             space.groups[name] = {k: v for k, v in group.items() if k not in _GROUP_KEYS_NOT_META}
     space.notes.append("weights: the fp32 main params of the distributed optimizer")
+    return space
+
+
+def _read_layer_wise(files: DcpFiles, common: dict[str, Any], directory: str) -> ModelSpace:
+    """megatron-core's Muon under ``LayerWiseDistributedOptimizer`` in model space
+    (``convert.layer_wise``): fp32 weights, each matrix's ``momentum_buffer``, AdamW's state.
+
+    Raises:
+        ConversionRefused: Muon without LayerWise, or state of another kind (named).
+    """
+    args = common["args"]
+    refuse_unless(
+        bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
+        and layer_wise.is_layer_wise(common),
+        f"{directory}: --optimizer muon without --use-distributed-optimizer "
+        "(LayerWiseDistributedOptimizer): only LayerWise's state is mapped",
+    )
+    keys = set(files.tensor_keys)
+    children = layer_wise.layer_wise_children(common, keys, directory)
+    impl = str(getattr(args, "transformer_impl", "transformer_engine"))
+    tensors = files.tensors(list(keys))
+    space = _empty_space(common, args)
+    for key in [k for k in keys if not k.startswith(("chained_", "optimizer."))]:
+        child, state_keys = layer_wise.child_state(key, children, keys)
+        for name, layer in _unstacked(key, impl, tensors[key]):
+            space.params[name] = _layer(tensors[key], layer)
+            space.state[name] = {k: _layer(tensors[v], layer) for k, v in state_keys.items()}
+            rule = names.no_weight_decay(name, space.params[name].ndim)
+            refuse_unless(rule in child.groups, f"{name}: no LayerWise group of its weight decay")
+            space.groups[name] = dict(child.groups[rule])
+            if child.step is not None:
+                space.steps[name] = child.step
+    space.notes.append("weights: the fp32 params (LayerWise keeps no separate main params)")
     return space
 
 
@@ -160,11 +206,15 @@ def _join(tensors: list[torch.Tensor], stacked: bool) -> torch.Tensor:
 
 
 def _torch_dist_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` as a Megatron-DDP run saves them (Muon: as ``validate_args`` leaves
+    ``--use-distributed-optimizer``: LayerWise on, the distributed optimizer off)."""
     converted = copy.copy(args)
     converted.ckpt_format = "torch_dist"
     converted.use_megatron_fsdp = False
-    converted.use_distributed_optimizer = True
-    converted.dist_ckpt_optim_fully_reshardable = True
+    muon = getattr(args, "optimizer", None) == "muon"
+    converted.use_distributed_optimizer = not muon
+    converted.use_layer_wise_distributed_optimizer = muon
+    converted.dist_ckpt_optim_fully_reshardable = not muon
     return converted
 
 
@@ -189,18 +239,50 @@ def _groups_with_steps(space: ModelSpace) -> list[dict[str, Any]]:
     return [{**meta, "step": step} for meta, step, _ in groups]
 
 
-def torch_dist_values(space: ModelSpace) -> dict[str, Any]:
-    """The flat ``{key: value}`` of the torch_dist checkpoint of ``space``."""
+def _distributed_adam_values(
+    space: ModelSpace, stacked_keys: dict[str, list[tuple[int | None, str]]]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The distributed optimizer's state tensors (Adam's moments and main params), the common
+    state's ``optimizer`` and the content metadata, in its model-space format."""
     values: dict[str, Any] = {}
-    num_layers = int(space.args.num_layers)
-    for key, members in _stacked(space).items():
+    for key, members in stacked_keys.items():
         stacked = members[0][0] is not None
-        values[key] = _join([space.params[n] for _, n in members], stacked)
-        values[f"{_STATE_PREFIX}param.{key}"] = values[key]
+        values[f"{_STATE_PREFIX}param.{key}"] = _join(
+            [space.params[n] for _, n in members], stacked
+        )
         for kind in ADAM_STATE:
             values[f"{_STATE_PREFIX}{kind}.{key}"] = _join(
                 [space.state[n][kind] for _, n in members], stacked
             )
+    optimizer = {
+        "optimizer": {"param_groups": _groups_with_steps(space)},
+        "param_state_sharding_type": _MODEL_SPACE_FORMAT,
+    }
+    metadata = {
+        "distrib_optim_sharding_type": _MODEL_SPACE_FORMAT,
+        "distrib_optim_fully_reshardable_mem_efficient": False,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+    return values, optimizer, metadata
+
+
+def torch_dist_values(space: ModelSpace) -> dict[str, Any]:
+    """The flat ``{key: value}`` of the torch_dist checkpoint of ``space`` (Adam: the distributed
+    optimizer's model-space format; Muon: ``LayerWiseDistributedOptimizer``'s)."""
+    values: dict[str, Any] = {}
+    num_layers = int(space.args.num_layers)
+    stacked_keys = _stacked(space)
+    optimizer: dict[Any, Any]
+    if space.optimizer == "muon":
+        state, optimizer = layer_wise.layer_wise_optimizer_values(space, stacked_keys, _join)
+        metadata: dict[str, Any] = dict(layer_wise.CONTENT_METADATA)
+    else:
+        state, optimizer, metadata = _distributed_adam_values(space, stacked_keys)
+    values.update(state)
+    for key, members in stacked_keys.items():
+        stacked = members[0][0] is not None
+        values[key] = _join([space.params[n] for _, n in members], stacked)
         # Each layer's linear modules save an extra state (None without Transformer Engine); a
         # ShardedObject is stored as a one-item list, as megatron-core stores it.
         module, _, leaf = key.rpartition(".")
@@ -211,18 +293,10 @@ def torch_dist_values(space: ModelSpace) -> dict[str, Any]:
         "args": _torch_dist_args(space.args),
         "checkpoint_version": space.checkpoint_version,
         "iteration": space.iteration,
-        "optimizer": {
-            "optimizer": {"param_groups": _groups_with_steps(space)},
-            "param_state_sharding_type": _MODEL_SPACE_FORMAT,
-        },
+        "optimizer": optimizer,
         "opt_param_scheduler": space.scheduler,
         "num_floating_point_operations_so_far": space.flops,
-        "content_metadata": {
-            "distrib_optim_sharding_type": _MODEL_SPACE_FORMAT,
-            "distrib_optim_fully_reshardable_mem_efficient": False,
-            "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True,
-        },
+        "content_metadata": metadata,
     }
     values[COMMON_KEY] = [common]
     return values
