@@ -18,7 +18,11 @@ init_state_fn)``), and the chain is set up again over the wrapped children the w
 constructor does (``ChainedOptimizer.__init__``, then ``model_chunks``). The wrapper adds no
 arithmetic: ``main_grad`` (fp32) becomes ``grad``, the loss scale is 1, the inner step is the raw
 optimizer's step. The shard assignment (``shard_params``) is untouched: it narrowed the same
-param-group dicts the wrapper reads. Under ``--bf16`` nothing changes.
+param-group dicts the wrapper reads. Under ``--bf16`` nothing changes. Measured on the path
+Megatron-LM's config-container builder sets up (``pretrain_gpt.py``'s: no precomputed param
+layout, so LayerWise holds both children, Muon over the matrices and AdamW over the rest); the
+precomputed-layout path (``training.get_model``: AdamW on a separate ``DistributedOptimizer``)
+was not run in fp32.
 
 Its state dicts are nested one level down, under ``"optimizer"``, as the bf16 wrapper's are
 (``LayerWiseDistributedOptimizer.sharded_state_dict`` reads ``sd["optimizer"]["state"]`` of each
@@ -39,6 +43,7 @@ __all__ = ["patch"]
 _MARK = "_megatron_muon_wraps_fp32"
 
 
+@functools.cache
 def _layer_wise_fp32_class() -> type:
     """megatron-core's ``FP32Optimizer`` with its state dicts under ``"optimizer"`` (module
     docstring)."""
