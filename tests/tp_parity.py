@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tests import gpt_parity
 from tests.gpt_parity import Run
+from tests.nudge import nudge_weights, one_ulp_up_
 
 TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded")
 # The exchange: owner-compute for three modes, the gather reference for one.
@@ -209,10 +210,7 @@ def _train(
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     if nudge:
-        with torch.no_grad():
-            for param in named.values():
-                local = param.to_local()
-                local.copy_(torch.nextafter(local, torch.full_like(local, torch.inf)))
+        nudge_weights([wrapped])
     initial = {n: _piece(p, p) for n, p in named.items()}
     grads, stats = [], []
     for step in range(NUM_STEPS):
@@ -401,7 +399,7 @@ def _clip(params: list[torch.Tensor], *, floor: bool) -> float:
         return float(torch.nn.utils.clip_grad_norm_(params, gpt_parity.CLIP_GRAD))
     grads = [p.grad for p in params if p.grad is not None]
     for grad in grads:
-        grad.copy_(torch.nextafter(grad, torch.full_like(grad, torch.inf)))
+        one_ulp_up_(grad)
     norm = torch.nn.utils.get_total_norm([grad.double() for grad in grads]).float()
     torch.nn.utils.clip_grads_with_norm_(params, gpt_parity.CLIP_GRAD, norm)
     return float(norm)
