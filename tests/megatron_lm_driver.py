@@ -23,6 +23,10 @@ costs about 20 s).
 the optimizer hands it to an ``fsdp_dtensor`` save, by param name, each tensor's local rows, to
 ``<directory>/rank<r>.pt`` (``{name: {key: tensor}}``): what the load put there, before any step.
 
+``MEGATRON_MUON_NUDGE_WEIGHTS=1`` in the environment: every fp32 weight one ulp up after the
+setup (and a ``--load``), before the first iteration (``tests/nudge.py``): a floor run
+(``tests/run_comparison.py``'s ``floor_run``).
+
 ``--no-megatron-muon-install`` replaces the example's ``install()`` with the CPU stand-ins alone:
 the run is stock ``megatron.training`` on CPU (the behaviour-preserved test).
 """
@@ -109,24 +113,6 @@ def _dump_optimizer_state(optimizer: Any, directory: str) -> None:
     torch.save(local, os.path.join(directory, f"rank{torch.distributed.get_rank()}.pt"))
 
 
-def _nudge_weights(model: list[Any]) -> None:
-    """``NUDGE_VARIABLE``: every fp32 weight one ulp up (toward +inf) after the model and optimizer
-    are set up (and a checkpoint loaded), before the first iteration: a floor run
-    (tests/run_comparison.py). A DTensor (Megatron-FSDP) is nudged in its local shard. A weight
-    of another dtype is refused (bf16 runs keep fp32 main copies this would not reach), so a floor
-    run is never silently unperturbed."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    for chunk in model:
-        for name, param in chunk.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if local.dtype != torch.float32:
-                raise ValueError(f"{NUDGE_VARIABLE}: {name} is {local.dtype}; only fp32 is nudged")
-            with torch.no_grad():
-                local.copy_(torch.nextafter(local, torch.full_like(local, torch.inf)))
-
-
 def main() -> None:
     argv = _set_environment(sys.argv[1:])
     if NO_INSTALL_FLAG in argv:
@@ -151,8 +137,10 @@ def main() -> None:
             _dump_optimizer_state(optimizer, os.environ[DUMP_STATE_VARIABLE])
         captured["optimizer"] = optimizer
         captured["model"] = model
-        if os.environ.get(NUDGE_VARIABLE) == "1":
-            _nudge_weights(model)
+        if os.environ.get(NUDGE_VARIABLE) == "1":  # a floor run (tests/run_comparison.py)
+            from tests.nudge import nudge_weights
+
+            nudge_weights(model)
         grad_norms = captured.setdefault("grad_norms", [])
         step = optimizer.step
 

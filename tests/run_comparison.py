@@ -28,6 +28,10 @@ with ``ATEN_CPU_CAPABILITY=default`` (other kernels, the same code) the floor do
 The custom-trainer parity runs (``tests/gpt_parity.py``'s ``train``) carry their floor in the
 same launch: the reference again with its batch gradient accumulated in the sharded run's order
 (``assert_steps_within_floor``). A resumed run at another layout: ``assert_resumed_within_floor``.
+The TP parity test's single-process reference, fed the sharded run's own gradients
+(``tests/tp_parity.py``'s ``reference_run``), has its floor in the test process: the same
+reference fed every gradient one ulp up, its grad norm summed in fp64; final params are judged
+by their largest difference (``assert_largest_within_floor``).
 """
 
 from __future__ import annotations
@@ -143,6 +147,28 @@ def assert_within_floor(
     print(f"\n{verdict}")
     assert not verdict.failing, f"over the floor at iterations {verdict.failing}: {verdict}"
     return verdict
+
+
+def assert_largest_within_floor(
+    what: str,
+    differences: Mapping[str, float],
+    floor: Mapping[str, float],
+    *,
+    guard: float = FULL_PRECISION_GUARD,
+    factor: float = FLOOR_FACTOR,
+) -> None:
+    """Tensors by name (final params): the largest of the run's ``differences`` from the
+    reference (relative, each tensor whole) at most ``factor`` times the largest of the floor
+    run's ``floor`` plus ``guard`` (4 fp32 ulps: a floor of exactly 0); prints both (``-s``)."""
+    worst, floor_worst = max(differences, key=differences.__getitem__), max(floor.values())
+    bound = factor * floor_worst + guard
+    verdict = (
+        f"{what}: largest difference {worst} {differences[worst]:.2e}, floor {floor_worst:.2e} "
+        f"(its own {floor.get(worst, 0.0):.2e}); bound {factor:g} x floor + {guard:.1e} = "
+        f"{bound:.2e}"
+    )
+    print(f"\n{verdict}")
+    assert differences[worst] <= bound, f"over the floor: {verdict}"
 
 
 def _assert_losses_and_norms(

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tests import gpt_parity
 from tests.gpt_parity import Run
+from tests.nudge import nudge_weights, one_ulp_up_
 
 TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded")
 # The exchange: owner-compute for three modes, the gather reference for one.
@@ -209,10 +210,7 @@ def _train(
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     if nudge:
-        with torch.no_grad():
-            for param in named.values():
-                local = param.to_local()
-                local.copy_(torch.nextafter(local, torch.full_like(local, torch.inf)))
+        nudge_weights([wrapped])
     initial = {n: _piece(p, p) for n, p in named.items()}
     grads, stats = [], []
     for step in range(NUM_STEPS):
@@ -347,13 +345,18 @@ class BlockwiseMuon:
         )
 
 
-def reference_run(per_rank: list[dict], tp_mode: str) -> dict:
+def reference_run(per_rank: list[dict], tp_mode: str, *, floor: bool = False) -> dict:
     """The unsharded single-process reference, fed the sharded run's own reduced gradients.
 
     megatron-core's ``TensorParallelMuon`` (blockwise per TP block, or whole matrices) + AdamW
     (no weight decay on 1-D params) on the unsplit fp32 weights, routed by name as
     ``gpt_parity.Reference`` does, global-norm clipping by ``torch.nn.utils.clip_grad_norm_``.
     Fed the same gradients, it differs from the sharded run only in arithmetic order.
+
+    ``floor``: the reference's floor run (tests/run_comparison.py): fed every gradient one ulp up
+    (toward +inf), its global norm summed in fp64 (another reduction order of the same
+    gradients, rounded to fp32 once) and clipping by that norm: the last bits of what each step
+    is fed changed, as another layout's rounding changes them, grown by the same optimizer.
 
     Returns:
         ``{"params": {name: unsplit tensor}, "grad_norms": [per step]}``.
@@ -381,9 +384,22 @@ def reference_run(per_rank: list[dict], tp_mode: str) -> dict:
         grads = [result["grads"][step] for result in per_rank]
         for name, param in params.items():
             param.grad = assemble(grads, name)
-        norms.append(
-            float(torch.nn.utils.clip_grad_norm_(list(params.values()), gpt_parity.CLIP_GRAD))
-        )
+        norms.append(_clip(list(params.values()), floor=floor))
         muon_optimizer.step()
         adamw.step()
     return {"params": {n: p.detach() for n, p in params.items()}, "grad_norms": norms}
+
+
+def _clip(params: list[torch.Tensor], *, floor: bool) -> float:
+    """Clips the fp32 gradients of ``params`` (unsplit, one process) to ``gpt_parity.CLIP_GRAD``
+    by their global norm, which it returns: ``torch.nn.utils.clip_grad_norm_``'s fp32 norm, or
+    with ``floor`` (``reference_run``) every gradient one ulp up first and the norm summed in
+    fp64."""
+    if not floor:
+        return float(torch.nn.utils.clip_grad_norm_(params, gpt_parity.CLIP_GRAD))
+    grads = [p.grad for p in params if p.grad is not None]
+    for grad in grads:
+        one_ulp_up_(grad)
+    norm = torch.nn.utils.get_total_norm([grad.double() for grad in grads]).float()
+    torch.nn.utils.clip_grads_with_norm_(params, gpt_parity.CLIP_GRAD, norm)
+    return float(norm)

@@ -16,6 +16,8 @@ from torchrun's store (group keys restart at 0) and fails with "Connection refus
   Bridge's Muon recipes, wrapped);
 - ``model``: fields set on the model provider, e.g. ``qk_clip``;
 - ``train``: fields set on the training config, e.g. ``micro_batch_size``;
+- ``nudge``: true for a floor run (``tests/run_comparison.py``): every fp32 weight one ulp up
+  at the start of training (after a load), before the first iteration (``tests/nudge.py``);
 - ``refused``: true for a run that must raise (a refused load): every rank prints
   ``BRIDGE_REFUSED``, the exception's class and message on one line, and the launch goes on
   (a run that does not raise prints ``BRIDGE_NOT_REFUSED``);
@@ -147,8 +149,12 @@ def _run(index: int, spec: dict[str, Any]) -> None:
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
+    from tests.nudge import nudge_weights
+
     class Record(Callback):  # type: ignore[misc]
         def on_train_start(self, context: Any) -> None:
+            if spec.get("nudge"):  # every rank, its own shards
+                nudge_weights(context.model)
             if torch.distributed.get_rank() == 0:
                 print(OPTIMIZER_MARKER + type(context.optimizer).__name__, flush=True)
                 subs = _sub_optimizers(context.optimizer)
@@ -163,7 +169,16 @@ def _run(index: int, spec: dict[str, Any]) -> None:
                 }
                 print(STEP_MARKER + json.dumps(step), flush=True)
 
-    own = ("optimizer", "optimizer_fields", "integration", "recipe", "model", "train", "refused")
+    own = (
+        "optimizer",
+        "optimizer_fields",
+        "integration",
+        "recipe",
+        "model",
+        "train",
+        "nudge",
+        "refused",
+    )
     cfg = tiny_gpt_config(
         _optimizer_config(spec), **{k: v for k, v in spec.items() if k not in own}
     )

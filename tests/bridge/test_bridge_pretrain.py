@@ -9,12 +9,28 @@ processes: at DP=1 in the reference launch, at DP=2 in one strategy test's launc
 Megatron-Bridge: ``make test-bridge`` runs them in ``.venv-bridge``
 (``scripts/setup_bridge_venv.sh``); elsewhere they are skipped.
 
-Tolerances: Newton-Schulz runs with fp32 "highest" matmuls on both sides, so DP=2 differs from
-DP=1 only by reduction order (the gradient reduce over 2 ranks, the loss averaged over 2 x 2
-micro-batches instead of 4): relative 1e-5, measured <= 2.5e-6 for Muon, 1.0e-7 for AdaptiveMuon
-(NorMuon) and 8.9e-8 for Lion (``-s`` prints them). A resumed run, and Adam with and without the
-integration, compute the same operations in the same order: bitwise. In the resumed run's launch
-the same Muon checkpoint loaded with Lion is refused on every rank naming both optimizers
+DP=2 against DP=1 is **floor-judged** (tests/run_comparison.py): the two reduce in other orders
+(the gradient reduce over 2 ranks, the loss averaged over 2 x 2 micro-batches instead of 4), so
+each iteration's loss and grad norm (full precision, rank 0's) of the DP=2 run is judged against
+the DP=1 reference within ``FLOOR_FACTOR`` (10) times the envelope of the reference's floor run
+(the same spec again with every fp32 weight one ulp up at the start of training, ``nudge``:
+run in the DP=1 reference launch after the references, no launch of its own) plus 4 fp32 ulps.
+SOAP and REKLS run with ``SAME_GRADIENT_BITS``: their losses are bitwise those of DP=1 and their
+grad norms floor-judged (a norm summed on shards that no update reads), as in
+tests/test_megatron_lm_soap.py. Measured on an AVX2-only AMD Zen 3 (2026-12-02), over the 6
+iterations: DP=2's losses within one fp32 ulp of DP=1's (<= 1.0e-7 relative) for every
+optimizer, where the floor run's losses move by less than an ulp (a floor of 0 for all but
+SOAP, REKLS and oblique_sgd: the 4-ulp guard, 4.8e-7, is the bound); grad norms <= 3.0e-7
+(Muon under optim_grads and optim_grads_params) against floors of 2.3e-7 (LaProp) to 8.6e-7
+(Muon), bounds by the last iteration 1.8e-6 to 6.9e-6; SOAP and REKLS equal to the last bit,
+their floors 3.7e-2 (loss) and 0.34 / 1.2 (grad norm) by iteration 5. Teeth: Muon at DP=2 with
+a 1% larger peak lr is 1.7e-5 off in loss at iteration 2 (36 times its bound) and 5.8e-4 at
+iteration 5; with ``muon_momentum`` 0.94 instead of 0.95, 8.1e-6 and 6.7e-4. The floor runs
+double the DP=1 launch (9 runs to 18: 20 s to 43 s, measured back to back on 2 shared cores).
+
+Bitwise (shared arithmetic): a resumed run; Adam with and without the integration; the
+``dist_muon`` recipe config against ``"muon"`` with the same settings. In the resumed run's
+launch the same Muon checkpoint loaded with Lion is refused on every rank naming both optimizers
 (``integrations.checkpoint_guards.bridge``).
 """
 
@@ -23,7 +39,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import math
 import re
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +48,7 @@ from typing import Any, get_args
 import pytest
 
 from megatron_muon.common.options import FsdpOptimizerT
+from tests.run_comparison import FULL_PRECISION_GUARD, FloorVerdict, assert_within_floor
 from tests.torchrun import run_megatron
 
 DRIVER = Path(__file__).with_name("bridge_driver.py")
@@ -44,7 +60,6 @@ REFUSED_MARKER = "BRIDGE_REFUSED "
 ITERS = 6
 SAVED_AT = 3
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-DP_RTOL = 1e-5
 OURS = "MegatronCheckpointedOptimizer"
 # Below every head's max logit of the tiny GPT at its first steps (0.06 to 0.14): heads clip.
 QK_CLIP_THRESHOLD = 0.05
@@ -103,6 +118,8 @@ def _launch(specs_json: str, nproc: int) -> tuple[BridgeRun, ...]:
     run = run_megatron(
         [specs_json], nproc=nproc, timeout=300, entry=[str(DRIVER)], entry_prints_done_marker=True
     )
+    count = len(json.loads(specs_json))
+    print(f"\nBridge launch of {count} runs on {nproc} ranks: {run.wall_s:.1f} s")
     # Before the first run: the launch's start; the last run's part ends with the launch's end.
     parts = [
         re.split(rf"^{RUN_MARKER}\d+$", run.rank_outputs[rank], flags=re.MULTILINE)[1:]
@@ -130,10 +147,25 @@ def emerging_spec(name: str) -> dict[str, Any]:
     return spec | (SAME_GRADIENT_BITS if name in SAME_GRADIENT_BITS_FOR else {})
 
 
+def _dp1_launch() -> tuple[dict[str, BridgeRun], dict[str, BridgeRun]]:
+    """One launch: the DP=1 references, Muon's and each of ``EMERGING``'s, then each again as
+    its floor run (``nudge``). Returns (references, floor runs) by optimizer name."""
+    names = ("muon", *EMERGING)
+    references = [{}, *(emerging_spec(name) for name in EMERGING)]
+    runs = bridge_runs(1, *references, *({**spec, "nudge": True} for spec in references))
+    return dict(zip(names, runs[: len(names)], strict=True)), dict(
+        zip(names, runs[len(names) :], strict=True)
+    )
+
+
 def dp1_runs() -> dict[str, BridgeRun]:
-    """The DP=1 references, Muon's and each of ``EMERGING``'s, from one launch."""
-    runs = bridge_runs(1, {}, *(emerging_spec(name) for name in EMERGING))
-    return dict(zip(("muon", *EMERGING), runs, strict=True))
+    """The DP=1 references by optimizer name (``_dp1_launch``)."""
+    return _dp1_launch()[0]
+
+
+def dp1_floors() -> dict[str, BridgeRun]:
+    """The DP=1 references' floor runs by optimizer name (``_dp1_launch``)."""
+    return _dp1_launch()[1]
 
 
 def strategy_runs(strategy: str) -> dict[str, BridgeRun]:
@@ -171,15 +203,26 @@ def uninterrupted_run() -> BridgeRun:
     return bridge_run(save=str(_CHECKPOINTS / "muon"), save_interval=SAVED_AT)
 
 
-def assert_close_steps(actual: list[dict[str, float]], expected: list[dict[str, float]]) -> None:
-    """Every iteration's loss and grad norm within ``DP_RTOL``; prints the worst (``-s``)."""
-    assert [s["iteration"] for s in actual] == [s["iteration"] for s in expected]
-    worst = 0.0
-    for got, want in zip(actual, expected, strict=True):
-        for key in ("lm loss", "grad norm"):
-            assert math.isclose(got[key], want[key], rel_tol=DP_RTOL), (got, want)
-            worst = max(worst, abs(got[key] - want[key]) / abs(want[key]))
-    print(f"worst relative difference {worst:.2e}; steps {json.dumps(actual)}")
+def series(run: BridgeRun, key: str) -> dict[int, float]:
+    """{iteration: ``key``} of rank 0's ``BRIDGE_STEP`` objects (``"lm loss"``, ``"grad norm"``)."""
+    return {step["iteration"]: step[key] for step in steps(run)}
+
+
+def assert_within_dp1_floor(label: str, run: BridgeRun, name: str) -> list[FloorVerdict]:
+    """``run``'s losses and grad norms against the DP=1 reference of optimizer ``name``, each
+    within the floor of that reference's floor run (module docstring); prints the verdicts."""
+    reference, floor = dp1_runs()[name], dp1_floors()[name]
+    assert [s["iteration"] for s in steps(run)] == [s["iteration"] for s in steps(reference)]
+    return [
+        assert_within_floor(
+            f"{label} {key}",
+            series(run, key),
+            series(reference, key),
+            series(floor, key),
+            guard=FULL_PRECISION_GUARD,
+        )
+        for key in ("lm loss", "grad norm")
+    ]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -190,7 +233,7 @@ def test_muon_at_dp2_equals_dp1_under_each_sharding_strategy(strategy: str) -> N
     )
     assert optimizer_class(run) == OURS
     assert len(reference) == ITERS
-    assert_close_steps(steps(run), reference)
+    assert_within_dp1_floor(f"muon {strategy} DP=2 vs DP=1", run, "muon")
     losses = [s["lm loss"] for s in steps(run)]
     assert losses[-1] < losses[0] - 0.5, losses
 
@@ -229,11 +272,12 @@ def test_a_muon_checkpoint_loaded_with_lion_is_refused_on_every_rank_naming_both
 def test_dist_muon_recipe_config_trains_megatron_muon() -> None:
     """Bridge's Muon recipes make ``optimizer="dist_muon"`` (``distributed_muon_with_cosine_
     annealing``); through ``muon_fsdp_with_cosine_annealing`` it is megatron-muon's Muon, the same
-    updates as ``"muon"`` with the same settings."""
+    updates as ``"muon"`` with the same settings: bitwise (the same layout, the same arithmetic)."""
     run = bridge_run(recipe=True, optimizer="dist_muon")
     assert optimizer_class(run) == OURS
     assert "megatron-muon Muon[dense]" in run.output
-    assert_close_steps(steps(run), steps(uninterrupted_run()))
+    assert len(steps(run)) == ITERS
+    assert steps(run) == steps(uninterrupted_run())
 
 
 def test_adam_logs_the_same_lines_with_and_without_the_integration() -> None:
@@ -265,14 +309,17 @@ def test_model_qk_clip_runs_megatron_muon_clip_and_skips_bridges_clip_qk() -> No
 @pytest.mark.parametrize("name", EMERGING)
 def test_emerging_optimizer_at_dp2_equals_dp1(name: str) -> None:
     """Each of megatron-muon's other optimizers, from ``MuonFsdpOptimizerConfig(optimizer=name)``,
-    trains megatron-muon's sharded optimizer through Bridge's loop, equal at DP=2 (under
-    ``SHARED_STRATEGY[name]``) and DP=1 (SOAP with ``SAME_GRADIENT_BITS``)."""
+    trains megatron-muon's sharded optimizer through Bridge's loop, at DP=2 (under
+    ``SHARED_STRATEGY[name]``) within the floor of DP=1 (module docstring; SOAP and REKLS with
+    ``SAME_GRADIENT_BITS``: their losses bitwise)."""
     reference = dp1_runs()[name]
     run = strategy_runs(SHARED_STRATEGY[name])[name]
-    for each in (reference, run):
+    for each in (reference, run, dp1_floors()[name]):
         assert optimizer_class(each) == OURS
         assert len(steps(each)) == ITERS
-    assert_close_steps(steps(run), steps(reference))
+    assert_within_dp1_floor(f"{name} DP=2 vs DP=1", run, name)
+    if name in SAME_GRADIENT_BITS_FOR:
+        assert series(run, "lm loss") == series(reference, "lm loss")
     losses = [s["lm loss"] for s in steps(run)]
     # SOAP (and REKLS) at megatron-core's default settings fall slowly in 6 iterations (5.54 to
     # 5.47 here), the oblique classes (unit-norm rows or columns) by 0.37 (5.54 to 5.17).
