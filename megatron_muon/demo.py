@@ -93,12 +93,10 @@ def _run(optimizer: str, lr: float, out: Path, args: argparse.Namespace) -> dict
     # bias-dropout-add fusions even when the run turns them off (--no-bias-*-fusion, as the CPU
     # defaults do); compiling them made Megatron's initialization take 27.5 s instead of 0.9 s
     # on a 2-core CPU. Nothing else in these runs is compiled.
-    # Without PYTHONUNBUFFERED, even where the caller's environment sets it: both ranks write to
-    # one pipe, and Megatron's print(..., flush=True) writes each line whole only from a buffered
-    # stdout (unbuffered, the text and its newline are two writes, and the other rank's line can
-    # land between them: seen once, a progress line with Megatron's log line glued to it).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env["TORCHDYNAMO_DISABLE"] = "1"
+    # Both ranks write to one pipe, unbuffered (torchrun runs its workers with python -u): the
+    # progress lines echoed here are written whole, each in one write
+    # (integrations.megatron_lm_progress), so no other rank's output lands inside one.
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
     with open(log_path, "w") as console:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env

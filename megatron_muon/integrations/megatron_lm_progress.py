@@ -148,6 +148,17 @@ def _progress_bar(iteration: int, total: int, width: int = 30) -> None:
     sys.stderr.flush()
 
 
+def _print_line_on_rank_0(line: str) -> None:
+    """``line`` and its newline on rank 0's stdout in one write. torchrun runs its workers with
+    ``python -u``, where ``print`` writes the text and the newline apart, and every rank writes to
+    one pipe: another rank's line (Megatron's iteration log, printed by the last rank) could land
+    between the two (seen: a progress line with Megatron's log line glued to it)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def install(log: RunLog) -> None:
     """Records the run into ``log`` and prints the progress lines (module docstring).
 
@@ -158,7 +169,7 @@ def install(log: RunLog) -> None:
         RuntimeError: the installed megatron-core is not in ``SUPPORTED_MEGATRON_CORE``.
     """
     check_megatron_core_version(__name__)
-    from megatron.training import get_args, print_rank_0
+    from megatron.training import get_args
 
     training: Any = importlib.import_module("megatron.training.training")
 
@@ -192,7 +203,7 @@ def install(log: RunLog) -> None:
                 iteration, float(learning_rate or 0.0), _scalar(loss_dict["lm loss"]), tokens
             )
         if iteration % run_args.log_interval == 0 and log.records_since_line:
-            print_rank_0(_progress_line(log, iteration, run_args.train_iters))
+            _print_line_on_rank_0(_progress_line(log, iteration, run_args.train_iters))
         return result
 
     training.training_log = log_progress
@@ -213,7 +224,7 @@ def install(log: RunLog) -> None:
             if repeated or not interval or iteration % interval != 0:
                 record["final"] = True
             log.valid.append(record)
-            print_rank_0(
+            _print_line_on_rank_0(
                 f"[megatron-muon] validation at iter {iteration}: loss "
                 f"{record['valid_loss']:.4f}" + (" (final evaluation)" if "final" in record else "")
             )
