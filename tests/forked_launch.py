@@ -14,8 +14,12 @@ non-zero (after ``FAILURE_GRACE_S``, so that every rank that refuses a run print
 Importing ``PRELOAD`` first changes nothing a run computes: it is the order the test driver
 imports in anyway (``megatron.training.training`` before the example's ``install()``), and no
 module of it reads the per-launch environment at import. A zygote serves launches with one
-environment; a launch with another (``run_megatron(env=...)``, or a variable a test set) gets its
-own zygote, and the ``MAX_ZYGOTES`` most recently used stay.
+environment, up to the variables that are read at run time only (``is_per_launch``: the test
+drivers' ``MEGATRON_MUON_*`` switches, such as a floor run's weight nudge, and Megatron's
+``CUDA_DEVICE_MAX_CONNECTIONS``, read in its argument checks), which each launch's ranks get set
+as the launch asks; a launch with any other difference (a variable a test set) gets its own
+zygote, and the ``MAX_ZYGOTES`` most recently used stay. Each zygote costs an import of
+``PRELOAD`` (about 12 s of CPU): keyed on the whole environment, the suite started about 40.
 
 torchrun itself stays in the tests that need it (``--max-restarts``, the agent's store, signals:
 ``tests/test_torchrun_restarts.py``), on a GPU (CUDA cannot be used in a forked child of a process
@@ -49,6 +53,16 @@ LAUNCHER_VARIABLE = "MEGATRON_MUON_TEST_LAUNCHER"
 _READY = "ZYGOTE_READY"
 # Set by pytest for each test; left out, so that one zygote serves every test.
 _PER_TEST_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+# Read at run time only, never at the import of PRELOAD (module docstring): set per launch.
+_PER_LAUNCH_PREFIX = "MEGATRON_MUON_"
+_PER_LAUNCH_VARIABLES = frozenset({"CUDA_DEVICE_MAX_CONNECTIONS"})
+
+
+def is_per_launch(name: str) -> bool:
+    """Whether the variable ``name`` is set per launch in a shared zygote (module docstring)."""
+    return (
+        name.startswith(_PER_LAUNCH_PREFIX) and name != LAUNCHER_VARIABLE
+    ) or name in _PER_LAUNCH_VARIABLES
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,10 +185,13 @@ def run_forked(
     Returns the exit code (0, or 1 when a rank failed), or ``None`` on a timeout.
     """
     env = {name: value for name, value in env.items() if name not in _PER_TEST_VARIABLES}
+    launch_env = {name: value for name, value in env.items() if is_per_launch(name)}
+    env = {name: value for name, value in env.items() if name not in launch_env}
     request = {
         "target": target,
         "nproc": nproc,
         "log_dir": str(log_dir / "forked" / "attempt_0"),
+        "env": launch_env,
     }
     key = tuple(sorted(env.items()))
     with _lock:  # launches from several threads (tests/stock_parity.py) take turns
@@ -237,17 +254,20 @@ def _exit_code(exit: SystemExit) -> int:
     return 1
 
 
-def _run_rank(target: list[str], rank: int, nproc: int, log_dir: Path, master_port: int) -> None:
-    """In a rank's process: run ``target`` as ``__main__`` as ``python`` would, then exit as the
-    interpreter does (non-daemon threads joined, ``atexit`` handlers run)."""
+def _run_rank(request: dict, rank: int) -> None:
+    """In a rank's process: run the request's ``target`` as ``__main__`` as ``python`` would, with
+    the launch's own variables set (``is_per_launch``), then exit as the interpreter does
+    (non-daemon threads joined, ``atexit`` handlers run)."""
     import runpy
 
-    rank_dir = log_dir / str(rank)
+    target, nproc = request["target"], int(request["nproc"])
+    rank_dir = Path(request["log_dir"]) / str(rank)
     rank_dir.mkdir(parents=True, exist_ok=True)
     _redirect(0, Path(os.devnull))
     _redirect(1, rank_dir / "stdout.log")
     _redirect(2, rank_dir / "stderr.log")
-    os.environ.update(_rank_environment(rank, nproc, master_port))
+    os.environ.update(request["env"])
+    os.environ.update(_rank_environment(rank, nproc, int(request["master_port"])))
     code = 0
     try:
         if target[0] == "-m":
@@ -276,12 +296,11 @@ def _run_rank(target: list[str], rank: int, nproc: int, log_dir: Path, master_po
 
 def _lead(request: dict) -> int:
     """In the leader: fork the ranks, wait for them as torchrun does; 0, or 1 if a rank failed."""
-    nproc, log_dir = int(request["nproc"]), Path(request["log_dir"])
     ranks = {}
-    for rank in range(nproc):
+    for rank in range(int(request["nproc"])):
         pid = os.fork()
         if pid == 0:
-            _run_rank(request["target"], rank, nproc, log_dir, int(request["master_port"]))
+            _run_rank(request, rank)
         ranks[pid] = rank
     failed_at = None
     while ranks:
