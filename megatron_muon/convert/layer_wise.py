@@ -26,6 +26,7 @@ from megatron_muon.convert.model_space import (
     MUON_STATE,
     ConversionRefused,
     ModelSpace,
+    group_by_weight_decay,
     refuse_unless,
 )
 
@@ -76,18 +77,6 @@ def is_layer_wise(common: dict[str, Any]) -> bool:
     )
 
 
-def _by_weight_decay(groups: list[dict[str, Any]], source: str) -> dict[bool, dict[str, Any]]:
-    by_rule: dict[bool, dict[str, Any]] = {}
-    for group in groups:
-        key = float(group.get("wd_mult", 1.0)) == 0.0
-        refuse_unless(
-            key not in by_rule and float(group.get("lr_mult", 1.0)) == 1.0,
-            f"{source}: param groups beyond megatron-core's default weight-decay split",
-        )
-        by_rule[key] = {k: v for k, v in group.items() if k not in _GROUP_KEYS_NOT_META}
-    return by_rule
-
-
 def layer_wise_children(
     common: dict[str, Any], tensor_keys: set[str], source: str
 ) -> list[LayerWiseChild]:
@@ -116,7 +105,11 @@ def layer_wise_children(
             kinds == MUON_STATE or step is not None,
             f"{source}: LayerWise child {index} (AdamW) saved no common_step",
         )
-        groups = _by_weight_decay(list(optimizer["param_groups"]), source)
+        by_rule = group_by_weight_decay(list(optimizer["param_groups"]), source)
+        groups = {
+            rule: {k: v for k, v in group.items() if k not in _GROUP_KEYS_NOT_META}
+            for rule, group in by_rule.items()
+        }
         children.append(LayerWiseChild(index, kinds, groups, None if step is None else float(step)))
     return children
 

@@ -20,6 +20,7 @@ __all__ = [
     "ConversionRefused",
     "ModelSpace",
     "check_source_args",
+    "group_by_weight_decay",
     "refuse_unless",
 ]
 
@@ -156,3 +157,18 @@ def check_source_args(args: argparse.Namespace, source: str) -> None:
         f"{source}: --decoupled-lr / --apply-wd-to-qk-layernorm: param groups beyond "
         "megatron-core's default weight-decay split cannot be told apart in torch_dist",
     )
+
+
+def group_by_weight_decay(groups: list[dict[str, Any]], source: str) -> dict[bool, dict[str, Any]]:
+    """{no weight decay: the group}: megatron-core's default split, the only one told apart."""
+    by_rule: dict[bool, dict[str, Any]] = {}
+    for group in groups:
+        key = float(group.get("wd_mult", 1.0)) == 0.0
+        refuse_unless(
+            key not in by_rule and float(group.get("lr_mult", 1.0)) == 1.0,
+            f"{source}: param groups beyond megatron-core's default weight-decay split "
+            f"({len(groups)} groups, wd_mult/lr_mult "
+            f"{[(g.get('wd_mult'), g.get('lr_mult')) for g in groups]})",
+        )
+        by_rule[key] = group
+    return by_rule

@@ -33,6 +33,7 @@ from megatron_muon.convert.model_space import (
     ConversionRefused,
     ModelSpace,
     check_source_args,
+    group_by_weight_decay,
     refuse_unless,
 )
 
@@ -76,21 +77,6 @@ def _param_groups(common: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return list(optimizer["optimizer"]["param_groups"])
 
 
-def _group_by_weight_decay(groups: list[dict[str, Any]], source: str) -> dict[bool, dict[str, Any]]:
-    """{no weight decay: the group}: megatron-core's default split, the only one told apart."""
-    by_rule: dict[bool, dict[str, Any]] = {}
-    for group in groups:
-        key = float(group.get("wd_mult", 1.0)) == 0.0
-        refuse_unless(
-            key not in by_rule and float(group.get("lr_mult", 1.0)) == 1.0,
-            f"{source}: param groups beyond megatron-core's default weight-decay split "
-            f"({len(groups)} groups, wd_mult/lr_mult "
-            f"{[(g.get('wd_mult'), g.get('lr_mult')) for g in groups]})",
-        )
-        by_rule[key] = group
-    return by_rule
-
-
 def _layer(tensor: torch.Tensor, layer: int | None) -> torch.Tensor:
     """One layer's copy of a stacked tensor (``layer`` None: the tensor is no layer's)."""
     return (tensor if layer is None else tensor[layer]).clone()
@@ -128,7 +114,7 @@ def read_torch_dist(directory: str) -> ModelSpace:
     check_source_args(args, directory)
     if getattr(args, "optimizer", None) == "muon":
         return _read_layer_wise(files, common, directory)
-    groups = _group_by_weight_decay(_param_groups(common, directory), directory)
+    groups = group_by_weight_decay(_param_groups(common, directory), directory)
     impl = str(getattr(args, "transformer_impl", "transformer_engine"))
     model_keys = [k for k in files.tensor_keys if not k.startswith("optimizer.")]
     tensors = files.tensors(list(files.tensor_keys))
