@@ -19,8 +19,8 @@ drivers' ``MEGATRON_MUON_*`` switches, such as a floor run's weight nudge, and M
 ``CUDA_DEVICE_MAX_CONNECTIONS``, read in its argument checks), which each launch's ranks get set
 as the launch asks; a launch with any other difference (a variable a test set) gets its own
 zygote, and the ``MAX_ZYGOTES`` most recently used stay. Each zygote costs an import of
-``PRELOAD`` (about 12 s of CPU): keyed on the whole environment, five of the loop-test modules
-started 10 zygotes and took 262 s; now 1 and 151 s (2026-12-02, 2 cores; docs/testing.md).
+``PRELOAD`` (9 s on 2 cores, measured 2026-12-02): keyed on the whole environment, five of the
+loop-test modules started 10 zygotes, now 1 (docs/testing.md).
 
 torchrun itself stays in the tests that need it (``--max-restarts``, the agent's store, signals:
 ``tests/test_torchrun_restarts.py``), on a GPU (CUDA cannot be used in a forked child of a process
